@@ -1,0 +1,103 @@
+"""Train a test model from a JSON spec; the Lightning launcher re-runs this file for every other rank.
+
+Rank 0 writes ``spec["out"]``: per-step global losses and a path to the full (gathered) final parameters.
+Used by parity, resume, checkpoint and failure tests so that every test drives the real Trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+
+import lightning_fsdp  # noqa: E402,F401
+from tests.helpers.models import TinyLM, loader  # noqa: E402
+
+
+class RecordLosses(Callback):
+    """Collects the rank-averaged loss of every micro-batch (what the single-process reference computes)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"].detach().clone()
+        self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+
+
+def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    """Gathered full parameters (a collective on sharded strategies)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model = trainer.strategy.model
+    if isinstance(trainer.strategy, lightning_fsdp.FSDPCustomStrategy):
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        sd = {k: v.detach().cpu() for k, v in trainer.lightning_module.state_dict().items()}
+    return {k: v.float().clone() for k, v in sd.items()}
+
+
+def main(spec: dict) -> None:
+    L.seed_everything(spec.get("seed", 0), workers=True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    strategy = spec.get("strategy", "fsdp_custom")
+    if spec.get("strategy_kwargs"):
+        strategy = lightning_fsdp.FSDPCustomStrategy(**spec["strategy_kwargs"])
+    model_kwargs = dict(spec.get("model", {}))
+    if "frozen" in model_kwargs:
+        model_kwargs["frozen"] = tuple(model_kwargs["frozen"])
+    empty_init = spec.get("empty_init", False)
+    recorder = RecordLosses()
+    callbacks: list[Callback] = [recorder]
+    if spec.get("checkpoint_dir"):
+        callbacks.append(ModelCheckpoint(dirpath=spec["checkpoint_dir"], save_last=True, **spec.get("checkpoint_kwargs", {})))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=spec.get("devices", 1),
+        num_nodes=spec.get("num_nodes", 1),
+        strategy=strategy,
+        precision=spec.get("precision", "32-true"),
+        max_steps=spec.get("max_steps", -1),
+        max_epochs=spec.get("max_epochs", None),
+        accumulate_grad_batches=spec.get("accumulate_grad_batches", 1),
+        gradient_clip_val=spec.get("gradient_clip_val"),
+        enable_checkpointing=bool(spec.get("checkpoint_dir")),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        default_root_dir=spec.get("root_dir", os.getcwd()),
+    )
+    with trainer.init_module(empty_init=empty_init):
+        model = TinyLM(**model_kwargs)
+    data = spec.get("data", {})
+    train_loader = loader(data.get("n", 64), spec.get("batch_size", 4), model.hparams.vocab, model.hparams.seq, data.get("seed", 0),
+        reference_order=not isinstance(trainer.strategy, lightning_fsdp.FSDPCustomStrategy) and trainer.world_size == 1,
+    )
+    trainer.fit(model, train_loader, ckpt_path=spec.get("ckpt_path"))
+    if spec.get("save_path"):
+        trainer.save_checkpoint(spec["save_path"])
+    params = full_params(trainer)
+    result = {"losses": recorder.losses, "global_step": trainer.global_step, "world_size": trainer.world_size}
+    if hasattr(trainer.strategy, "state_bytes"):
+        sb = trainer.strategy.state_bytes().as_dict()
+        gathered = trainer.strategy.all_gather(torch.tensor([sb["params"], sb["grads"], sb["optimizer"]]))
+        result["state_bytes"] = gathered.reshape(-1, 3).tolist()
+        result["wrapped_units"] = trainer.strategy.wrapped_units
+    if trainer.is_global_zero and spec.get("out"):
+        out = Path(spec["out"])
+        torch.save(params, out.with_suffix(".params.pt"))
+        result["params_path"] = str(out.with_suffix(".params.pt"))
+        out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(json.loads(Path(sys.argv[1]).read_text()))
