@@ -96,7 +96,7 @@ class FSDP2Precision(Precision):
         if scaler is None and self.precision == "16-mixed":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            scaler = ShardedGradScaler()
+            scaler = ShardedGradScaler(device="cuda" if torch.cuda.is_available() else "cpu")
         if scaler is not None and self.precision != "16-mixed":
             raise ValueError(f"precision={self.precision!r} does not use a gradient scaler; remove `scaler`.")
         self.scaler = scaler

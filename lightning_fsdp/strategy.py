@@ -284,7 +284,8 @@ class FSDPCustomStrategy(ParallelStrategy):
             self.device_mesh,
             self.auto_wrap_policy,
             mp_policy=mp_policy,
-            offload_policy=CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+            # pinned host memory speeds host↔device copies, and only exists with an accelerator
+            offload_policy=CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy(),
             reshard_after_forward=self.reshard_after_forward,
         )
         materialize_meta_module(model, torch.device("cpu") if self.cpu_offload else self.root_device)

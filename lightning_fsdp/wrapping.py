@@ -106,6 +106,11 @@ def resolve_policy(policy: WrapPolicy, model: nn.Module, *, arg_name: str = "aut
     raise TypeError(f"`{arg_name}` of type {type(policy).__name__} is not supported: {policy!r}.")
 
 
+def _runs_forward(module: nn.Module) -> bool:
+    """FSDP2 hooks a unit's ``forward``; containers without one (``ModuleList``, ``ModuleDict``) cannot be units."""
+    return type(module).forward is not nn.Module.forward
+
+
 def _shared_parameter_owners(model: nn.Module) -> dict[int, set[str]]:
     """Parameter id → names of every module that holds it directly (several for tied weights)."""
     owners: dict[int, set[str]] = {}
@@ -146,7 +151,7 @@ def select_units(model: nn.Module, policy: WrapPolicy, *, arg_name: str = "auto_
         chosen = _size_based_units(model, resolved, already)
     else:
         for name, module in named:
-            if any(_is_inside(name, a) for a in already) or not resolved(module):
+            if any(_is_inside(name, a) for a in already) or not _runs_forward(module) or not resolved(module):
                 continue
             if not any(True for _ in module.parameters()):
                 continue
@@ -184,7 +189,7 @@ def _size_based_units(model: nn.Module, min_params: int, already: list[str]) -> 
         remaining = sum(p.numel() for p in module.parameters(recurse=False))
         for child_name, child in module.named_children():
             remaining += visit(f"{name}.{child_name}" if name else child_name, child)
-        if name and remaining >= min_params and not _shares_params_outside(module, name, owners):
+        if name and remaining >= min_params and _runs_forward(module) and not _shares_params_outside(module, name, owners):
             chosen.append(name)
             return 0
         return remaining

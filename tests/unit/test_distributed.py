@@ -1,0 +1,58 @@
+import pytest
+
+from lightning_fsdp.distributed import MeshShape, as_timedelta, data_parallel_rank, resolve_mesh_shape
+
+
+@pytest.mark.parametrize(
+    ("replicate", "shard", "world", "nodes", "expected"),
+    [
+        (1, "auto", 4, 1, MeshShape(1, 4)),
+        (2, "auto", 4, 1, MeshShape(2, 2)),
+        ("auto", "auto", 8, 2, MeshShape(2, 4)),
+        ("auto", 2, 8, 1, MeshShape(4, 2)),
+        (-1, -1, 6, 3, MeshShape(3, 2)),
+        (2, 3, 6, 1, MeshShape(2, 3)),
+    ],
+)
+def test_resolve_mesh_shape(replicate, shard, world, nodes, expected):
+    assert resolve_mesh_shape(replicate, shard, world, nodes) == expected
+
+
+def test_hybrid_dims():
+    assert MeshShape(1, 4).dim_names == ("dp_shard",) and MeshShape(1, 4).sizes == (4,)
+    assert MeshShape(2, 2).dim_names == ("dp_replicate", "dp_shard") and MeshShape(2, 2).is_hybrid
+
+
+def test_mesh_that_does_not_fit_shows_the_arithmetic():
+    with pytest.raises(ValueError, match=r"replicate_size × shard_size = 2 × 3 = 6, but WORLD_SIZE = 4"):
+        resolve_mesh_shape(2, 3, 4)
+    with pytest.raises(ValueError, match="replicate_size=3 does not divide the world size 4"):
+        resolve_mesh_shape(3, "auto", 4)
+    with pytest.raises(ValueError, match="shard_size=3 does not divide the world size 4"):
+        resolve_mesh_shape("auto", 3, 4)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "two", True])
+def test_bad_sizes(bad):
+    with pytest.raises(ValueError, match="replicate_size"):
+        resolve_mesh_shape(bad, "auto", 4)
+
+
+def test_timeout_forms():
+    assert as_timedelta(30).total_seconds() == 30
+    assert as_timedelta(None).total_seconds() == 1800
+    with pytest.raises(ValueError, match="timeout"):
+        as_timedelta(-1)
+
+
+def test_data_parallel_rank_is_replica_major():
+    class FakeMesh:  # only the rank arithmetic is under test here; real meshes are used in the distributed tests
+        ndim = 2
+
+        def get_local_rank(self, dim):
+            return {"dp_replicate": 1, "dp_shard": 1}[dim]
+
+        def size(self, dim):
+            return 2
+
+    assert data_parallel_rank(FakeMesh()) == 3
