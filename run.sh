@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The two commands a new machine needs (nothing but Python 3.10+ pre-installed):
+#   ./run.sh train [hydra overrides]   the main job: a small GPT trained fully sharded on 2 CPU processes
+#   ./run.sh test  [pytest args]       the whole test suite
+# Both create ./.venv on first use and install the package with its pinned development dependencies.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV="${LFSDP_VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+# A CPU build of torch is enough here; set TORCH_SPEC to pick another build or version.
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+  fi
+  local stamp="$VENV/.installed-$(cat pyproject.toml run.sh | cksum | cut -d' ' -f1)"
+  if [ ! -f "$stamp" ]; then
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$VENV/bin/python" -m pip install --quiet "$TORCH_SPEC"
+    "$VENV/bin/python" -m pip install --quiet -e ".[dev]"
+    touch "$stamp"
+  fi
+}
+
+cmd="${1:-}"
+shift || true
+case "$cmd" in
+  train)
+    setup
+    exec "$VENV/bin/lightning-fsdp" train "$@"
+    ;;
+  test)
+    setup
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    exec "$VENV/bin/python" -m pytest "$@"
+    ;;
+  *)
+    echo "usage: ./run.sh train [hydra overrides] | ./run.sh test [pytest args]" >&2
+    exit 2
+    ;;
+esac
