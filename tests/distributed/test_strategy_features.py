@@ -110,3 +110,17 @@ def test_activation_checkpointing_and_size_policy_parity(tmp_path):
     result = train(spec, tmp_path, "ac")
     assert len(result["wrapped_units"]) > 4
     assert_parity(result, reference)
+
+
+def test_module_sharded_by_the_user_is_not_wrapped_twice(tmp_path):
+    reference = _reference(tmp_path)
+    result = _sharded(tmp_path, 2, model={"shard_first_layer_myself": True}, name="user_sharded")
+    assert result["wrapped_units"] == ["net.layers.1", "net.layers.2", ""]
+    assert_parity(result, reference)
+
+
+def test_fp16_mixed_with_sharded_grad_scaler(tmp_path):
+    """'16-mixed' (on CPU only through an explicit plugin: Lightning maps the flag to bf16 there)."""
+    result = _sharded(tmp_path, 2, precision_plugin="16-mixed", steps=3, name="fp16")
+    losses = torch.tensor(result["losses"])
+    assert torch.isfinite(losses).all() and losses[-1] < losses[0]

@@ -52,6 +52,7 @@ class TinyLM(L.LightningModule):
         lr: float = 1e-2,
         build_in_configure_model: bool = False,
         optimizer: str = "adamw",
+        shard_first_layer_myself: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -77,6 +78,11 @@ class TinyLM(L.LightningModule):
     def configure_model(self) -> None:
         if self.net is None:
             self._build()
+        if self.hparams.shard_first_layer_myself:  # as a ModelParallelStrategy user would
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            if not isinstance(self.net.layers[0], FSDPModule):
+                fully_shard(self.net.layers[0], mesh=self.device_mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         net = self.net

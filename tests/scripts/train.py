@@ -48,8 +48,9 @@ def main(spec: dict) -> None:
     L.seed_everything(spec.get("seed", 0), workers=True)
     torch.use_deterministic_algorithms(True, warn_only=True)
     strategy = spec.get("strategy", "fsdp_custom")
-    if spec.get("strategy_kwargs"):
-        strategy = lightning_fsdp.FSDPCustomStrategy(**spec["strategy_kwargs"])
+    if spec.get("strategy_kwargs") or spec.get("precision_plugin"):
+        plugin = lightning_fsdp.FSDP2Precision(spec["precision_plugin"]) if spec.get("precision_plugin") else None
+        strategy = lightning_fsdp.FSDPCustomStrategy(precision_plugin=plugin, **spec.get("strategy_kwargs", {}))
     model_kwargs = dict(spec.get("model", {}))
     if "frozen" in model_kwargs:
         model_kwargs["frozen"] = tuple(model_kwargs["frozen"])
@@ -63,7 +64,7 @@ def main(spec: dict) -> None:
         devices=spec.get("devices", 1),
         num_nodes=spec.get("num_nodes", 1),
         strategy=strategy,
-        precision=spec.get("precision", "32-true"),
+        precision=None if spec.get("precision_plugin") else spec.get("precision", "32-true"),
         max_steps=spec.get("max_steps", -1),
         max_epochs=spec.get("max_epochs", None),
         accumulate_grad_batches=spec.get("accumulate_grad_batches", 1),
