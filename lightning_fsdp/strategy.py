@@ -223,7 +223,9 @@ class FSDPCustomStrategy(ParallelStrategy):
     # -- precision -------------------------------------------------------------------------------------------------
     @property
     def precision_plugin(self) -> Precision:  # type: ignore[override]
-        return self._precision_plugin if self._precision_plugin is not None else FSDP2Precision("32-true")
+        if self._precision_plugin is None:
+            self._precision_plugin = FSDP2Precision("32-true", mixed_precision=self.mixed_precision)
+        return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
