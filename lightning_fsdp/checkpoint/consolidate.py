@@ -1,0 +1,278 @@
+"""``lightning-fsdp consolidate SRC DST``: a sharded checkpoint directory → one standard Lightning ``.ckpt``.
+
+The result loads in a plain single process (``MyModule.load_from_checkpoint(DST)``, ``torch.load(DST,
+weights_only=True)``) without this package's strategy. ``--format safetensors`` writes the model weights only.
+
+Runs in one process, no process group. The source is verified (manifest, sizes, checksums) and read with the
+restricted unpickler first. Tensors are assembled one at a time from their shards, so memory peaks near one copy of
+the output (for safetensors, which is written as it is read: near one tensor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import struct
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal, Optional, TextIO, Union
+
+import torch
+
+from lightning_fsdp.checkpoint import commit as commit_ops
+from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.checkpoint.manifest import META_NAME, read_manifest, require_listed, verify_files
+from lightning_fsdp.checkpoint.safe_load import read_metadata, safe_torch_load
+from lightning_fsdp.checkpoint.state import (
+    META_KEY,
+    SHARDED_KEYS,
+    TensorPath,
+    insert_tensors,
+    is_id_keyed,
+    optimizer_state_to_ids,
+)
+
+Format = Literal["ckpt", "safetensors"]
+
+#: progress lines are printed (at most once a second) for checkpoints at least this large
+PROGRESS_MIN_BYTES = 64 << 20
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+class _Progress:
+    """A tensor counter on stderr: periodic for large checkpoints, one summary line at the end."""
+
+    def __init__(self, total: int, total_bytes: int, enabled: bool, stream: Optional[TextIO] = None) -> None:
+        self.total, self.total_bytes, self.enabled = total, total_bytes, enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self.done = self.done_bytes = 0
+        self.start = self.last = time.monotonic()
+        self.periodic = enabled and total_bytes >= PROGRESS_MIN_BYTES
+
+    def update(self, nbytes: int) -> None:
+        self.done += 1
+        self.done_bytes += nbytes
+        now = time.monotonic()
+        if self.periodic and (now - self.last >= 1.0 or self.done == self.total):
+            self.last = now
+            print(
+                f"consolidate: {self.done}/{self.total} tensors, {self.done_bytes / 2**20:.1f}/"
+                f"{self.total_bytes / 2**20:.1f} MiB",
+                file=self.stream,
+                flush=True,
+            )
+
+    def finish(self, dst: Path) -> None:
+        if self.enabled:
+            seconds = time.monotonic() - self.start
+            print(
+                f"consolidate: wrote {dst} ({self.done} tensors, {self.done_bytes / 2**20:.1f} MiB) in {seconds:.1f}s",
+                file=self.stream,
+                flush=True,
+            )
+
+
+class ShardReader:
+    """Reads whole tensors out of a verified DCP checkpoint directory, one at a time."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.metadata = read_metadata(self.root)
+        self._files: dict[str, Any] = {}
+
+    def tensor_keys(self) -> list[str]:
+        return [k for k, md in self.metadata.state_dict_metadata.items() if hasattr(md, "chunks")]
+
+    def nbytes(self, key: str) -> int:
+        md = self.metadata.state_dict_metadata[key]
+        return int(torch.Size(md.size).numel()) * torch.empty((), dtype=md.properties.dtype).element_size()
+
+    def read(self, key: str) -> torch.Tensor:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        md = self.metadata.state_dict_metadata.get(key)
+        if md is None or not hasattr(md, "chunks"):
+            raise CheckpointError(f"{self.root}: no tensor {key!r} in .metadata.")
+        out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for chunk in md.chunks:
+            info = self.metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+            if info is None:
+                raise CheckpointError(f"{self.root}: .metadata has no storage for a chunk of {key!r}.")
+            if getattr(info, "transform_descriptors", None):
+                raise CheckpointError(
+                    f"{self.root}: {key!r} was written with stream transforms, which are not supported."
+                )
+            data = self._slice(info.relative_path, info.offset, info.length)
+            part = safe_torch_load(io.BytesIO(data), where=f"{self.root / info.relative_path} ({key})")
+            if not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(chunk.sizes):
+                raise CheckpointError(f"{self.root}: a chunk of {key!r} does not have the shape .metadata gives.")
+            region = out
+            for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                region = region.narrow(dim, offset, size)
+            region.copy_(part)
+        return out
+
+    def _slice(self, name: str, offset: int, length: int) -> bytes:
+        f = self._files.get(name)
+        if f is None:
+            if "/" in name or name.startswith(".."):
+                raise CheckpointError(f"{self.root}: .metadata names a file outside the checkpoint: {name!r}.")
+            f = self._files[name] = open(self.root / name, "rb")
+        f.seek(offset)
+        data = f.read(length)
+        if len(data) != length:
+            raise CheckpointError(f"{self.root / name} is truncated.")
+        return data
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def consolidate_checkpoint(
+    src: Union[str, Path],
+    dst: Union[str, Path],
+    format: Format = "ckpt",
+    progress: bool = True,
+    verify: bool = True,
+) -> Path:
+    """Write the sharded checkpoint ``src`` as one file ``dst`` (see the module docstring). Returns ``dst``."""
+    src, dst = Path(src), Path(dst)
+    if format not in ("ckpt", "safetensors"):
+        raise ValueError(f"`format` must be 'ckpt' or 'safetensors', got {format!r}.")
+    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
+        raise CheckpointError(f"The destination {dst} must be outside the source checkpoint {src}.")
+    manifest = read_manifest(src)
+    if verify:
+        verify_files(src, manifest)
+    require_listed(src, manifest, [".metadata", META_NAME])
+    meta = safe_torch_load(src / META_NAME, where=src / META_NAME)
+    if not isinstance(meta, dict) or not isinstance(meta.get(META_KEY), dict):
+        raise CheckpointError(f"{src / META_NAME} is not a lightning_fsdp checkpoint state file.")
+    paths: dict[str, TensorPath] = {k: tuple(v) for k, v in meta.pop(META_KEY)["tensors"].items()}
+    reader = ShardReader(src)
+    require_listed(src, manifest, [getattr(i, "relative_path", "") for i in reader.metadata.storage_data.values()])
+    try:
+        unknown = sorted(set(paths) - set(reader.tensor_keys()))
+        if unknown:
+            raise CheckpointError(f"{src}: meta.pt lists tensors that .metadata does not hold: {unknown[:5]}.")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        staging = commit_ops.temp_path(dst, commit_ops.STAGING, commit_ops.new_token())
+        try:
+            if format == "safetensors":
+                keys = {p[1]: k for k, p in paths.items() if p[0] == "state_dict" and len(p) == 2}
+                bar = _Progress(len(keys), sum(reader.nbytes(k) for k in keys.values()), progress)
+                _write_safetensors(staging, keys, reader, bar, {"source": manifest.target, "format": "pt"})
+            else:
+                bar = _Progress(len(paths), sum(reader.nbytes(k) for k in paths), progress)
+                tensors: dict[TensorPath, torch.Tensor] = {}
+                for key, path in paths.items():
+                    tensors[path] = reader.read(key)
+                    bar.update(tensors[path].numel() * tensors[path].element_size())
+                for top in SHARDED_KEYS:
+                    if top in meta:
+                        meta[top] = insert_tensors(meta[top], tensors, (top,))
+                tensors.clear()
+                meta.setdefault("pytorch-lightning_version", _lightning_version())
+                if meta.get("optimizer_states") is not None:
+                    meta["optimizer_states"] = [
+                        s if is_id_keyed(s) else optimizer_state_to_ids(s) for s in meta["optimizer_states"]
+                    ]
+                with open(staging, "wb") as f:
+                    torch.save(meta, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            commit_ops.commit(staging, dst)
+        except BaseException:
+            commit_ops.delete(staging)
+            raise
+    finally:
+        reader.close()
+    bar.finish(dst)
+    return dst
+
+
+def _write_safetensors(
+    path: Path, keys: dict[str, str], reader: ShardReader, bar: _Progress, metadata: dict[str, str]
+) -> None:
+    """Write a safetensors file tensor by tensor: the header is known from ``.metadata`` before any data is read."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    order = sorted(keys)
+    for name in order:
+        md = reader.metadata.state_dict_metadata[keys[name]]
+        dtype = md.properties.dtype
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{name}: dtype {dtype} cannot be stored in safetensors; use --format ckpt.")
+        nbytes = reader.nbytes(keys[name])
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(md.size),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for name in order:
+            tensor = reader.read(keys[name]).contiguous()
+            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            bar.update(tensor.numel() * tensor.element_size())
+            del tensor
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _lightning_version() -> str:
+    import lightning
+
+    return lightning.__version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-fsdp consolidate",
+        description="Turn a sharded lightning_fsdp checkpoint directory into one standard Lightning .ckpt file"
+        " (or model weights in a .safetensors file).",
+    )
+    parser.add_argument("src", metavar="SRC", help="sharded checkpoint directory (holds manifest.json)")
+    parser.add_argument("dst", metavar="DST", help="output file (.ckpt, or .safetensors with --format safetensors)")
+    parser.add_argument(
+        "--format", choices=("ckpt", "safetensors"), default="ckpt", help="output format (default: ckpt)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="do not print progress to stderr")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        consolidate_checkpoint(args.src, args.dst, format=args.format, progress=not args.no_progress)
+    except CheckpointError as err:
+        print(f"lightning-fsdp consolidate: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

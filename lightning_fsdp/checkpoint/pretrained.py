@@ -1,0 +1,150 @@
+"""Pretrained weights into an already sharded model: rank 0 reads the file, the other ranks receive only their shards.
+
+Typical use is a model built on the meta device (``Trainer.init_module(empty_init=True)`` or ``configure_model``)
+so that no rank ever materialises the full model::
+
+    strategy = FSDPCustomStrategy(pretrained_weights="weights.safetensors")   # or, in Hydra:
+    # strategy: {pretrained_weights: /path/to/weights.safetensors}
+
+or, by hand, after sharding and before the optimizers are built::
+
+    load_pretrained(model, "weights.ckpt", strict=True)
+
+Tensors are broadcast one at a time (``set_model_state_dict(..., broadcast_from_rank0=True)``): a non-zero rank
+holds its shards plus one full tensor at a time, never the whole model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import torch
+from torch import nn
+
+from lightning_fsdp.checkpoint.checkpointer import _agree, _broadcast, _distributed, _rank, _short
+from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.checkpoint.safe_load import safe_torch_load
+
+DtypeMismatch = Literal["warn", "error"]
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What :func:`load_pretrained` did not load (only possible with ``strict=False``) or loaded with a cast."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+    cast_keys: list[str]
+
+
+def read_weights(path: Union[str, Path]) -> dict[str, torch.Tensor]:
+    """A full state dict from ``.safetensors``, or a ``.ckpt``/``.pt``/``.pth``/``.bin`` holding a plain state dict
+    or Lightning's ``{"state_dict": ...}`` (read with ``weights_only=True``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(
+            f"Pretrained weights {path} do not exist (or are not a file). Check `pretrained_weights`."
+        )
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path), device="cpu")
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {err}.") from None
+    obj = safe_torch_load(path, where=path, mmap=True)
+    if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
+        obj = obj["state_dict"]
+    if not isinstance(obj, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    ):
+        raise CheckpointError(
+            f"{path} is not a state dict (a mapping of parameter names to tensors), nor a Lightning checkpoint holding"
+            " one under 'state_dict'."
+        )
+    return dict(obj)
+
+
+def load_pretrained(
+    model: nn.Module,
+    path: Union[str, Path],
+    *,
+    strict: bool = True,
+    dtype_mismatch: DtypeMismatch = "warn",
+    prefix: str = "",
+) -> LoadReport:
+    """Load full weights from ``path`` into the sharded ``model`` (every rank calls this).
+
+    Args:
+        model: the model after ``fully_shard`` and materialisation (parameters are DTensors).
+        path: ``.safetensors``, or a ``torch.save`` file with a state dict or a Lightning checkpoint.
+        strict: missing or unexpected keys are an error naming them; otherwise a warning.
+        dtype_mismatch: a tensor stored in another dtype than the parameter is converted with an explicit
+            warning naming it (``"warn"``) or refused (``"error"``). Never converted silently.
+        prefix: prepended to every key of the file, e.g. ``"net."`` when it holds the weights of ``self.net``.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    if dtype_mismatch not in ("warn", "error"):
+        raise ValueError(f"`dtype_mismatch` must be 'warn' or 'error', got {dtype_mismatch!r}.")
+    current = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
+    holder: dict[str, Any] = {}
+
+    def read() -> LoadReport:
+        weights = {prefix + k: v for k, v in read_weights(path).items()}
+        missing = sorted(set(current) - set(weights))
+        unexpected = sorted(set(weights) - set(current))
+        if strict and (missing or unexpected):
+            raise CheckpointError(
+                f"Pretrained weights {path} do not match the model: missing keys {_short(missing)}, unexpected keys"
+                f" {_short(unexpected)}. Pass strict=False to load the keys that match, or `prefix` if the file holds"
+                " the weights of a submodule."
+            )
+        shapes = [
+            f"{k}: file {tuple(weights[k].shape)}, model {tuple(current[k].shape)}"
+            for k in sorted(set(weights) & set(current))
+            if tuple(weights[k].shape) != tuple(current[k].shape)
+        ]
+        if shapes:
+            raise CheckpointError(f"Pretrained weights {path} have other shapes than the model: {_short(shapes)}.")
+        cast = [
+            f"{k} ({weights[k].dtype} -> {current[k].dtype})"
+            for k in sorted(set(weights) & set(current))
+            if weights[k].dtype != current[k].dtype
+        ]
+        if cast and dtype_mismatch == "error":
+            raise CheckpointError(
+                f"Pretrained weights {path} are stored in other dtypes than the model: {_short(cast)}."
+                " Pass dtype_mismatch='warn' to convert them, or convert the file."
+            )
+        for key in unexpected:
+            del weights[key]
+        holder["weights"] = weights
+        return LoadReport(missing, unexpected, cast)
+
+    report = _broadcast(_agree(read if _rank() == 0 else lambda: None, f"Loading pretrained weights {path}"))
+    if _rank() == 0:
+        if report.missing_keys or report.unexpected_keys:
+            warnings.warn(
+                f"Pretrained weights {path}: model keys not in the file keep their initial values"
+                f" {_short(report.missing_keys)}; file keys not in the model are ignored"
+                f" {_short(report.unexpected_keys)}.",
+                stacklevel=2,
+            )
+        if report.cast_keys:
+            warnings.warn(
+                f"Pretrained weights {path} are converted to the model's dtypes: {_short(report.cast_keys)}.",
+                stacklevel=2,
+            )
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=_distributed(), strict=strict)
+
+    def load() -> None:
+        set_model_state_dict(model, holder.pop("weights", {}), options=options)
+
+    _agree(load, f"Loading pretrained weights {path}")
+    return report

@@ -1,0 +1,252 @@
+"""Pure transformations of a Lightning checkpoint dict: no files, no process group.
+
+- :func:`extract_tensors` / :func:`insert_tensors` split the tensor leaves of ``state_dict`` and
+  ``optimizer_states`` (written as shards) from everything else (written to ``meta.pt``).
+- :func:`to_plain` turns hyper-parameters and other Lightning state into plain containers, so that
+  ``torch.load(..., weights_only=True)`` can read them back without running code.
+- :func:`optimizer_state_to_ids` / :func:`optimizer_state_to_fqns` convert between the parameter-name keyed
+  optimizer state of ``torch.distributed.checkpoint.state_dict`` and ``torch.optim``'s integer ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import pathlib
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any, Union
+
+import torch
+
+from lightning_fsdp.checkpoint.errors import CheckpointError
+
+PathItem = Union[str, int]
+TensorPath = tuple[PathItem, ...]
+
+#: the checkpoint entries whose tensors go to the shard files
+SHARDED_KEYS = ("state_dict", "optimizer_states")
+#: our own bookkeeping inside ``meta.pt``; removed before the dict reaches Lightning
+META_KEY = "lightning_fsdp"
+
+
+# -- tensor leaves ------------------------------------------------------------------------------------------------------
+def extract_tensors(tree: Any, prefix: TensorPath = ()) -> tuple[Any, dict[TensorPath, torch.Tensor]]:
+    """Split ``tree`` into a skeleton without tensors and ``{path: tensor}``.
+
+    Tensors are removed from dicts and replaced by ``None`` in lists/tuples (positions must survive);
+    :func:`insert_tensors` puts them back.
+    """
+    tensors: dict[TensorPath, torch.Tensor] = {}
+
+    def walk(node: Any, path: TensorPath) -> Any:
+        if isinstance(node, torch.Tensor):
+            tensors[path] = node
+            return None
+        if isinstance(node, Mapping):
+            out = {}
+            for key, value in node.items():
+                if not isinstance(key, (str, int)) or isinstance(key, bool):
+                    raise CheckpointError(
+                        f"Checkpoint key {key!r} at {_fmt(path)} is a {type(key).__name__}; only str and int keys"
+                        " can be saved. Rename the entry in `on_save_checkpoint`."
+                    )
+                if isinstance(value, torch.Tensor):
+                    tensors[(*path, key)] = value
+                else:
+                    out[key] = walk(value, (*path, key))
+            return out
+        if isinstance(node, (list, tuple)):
+            items = [walk(v, (*path, i)) for i, v in enumerate(node)]
+            return items if isinstance(node, list) else tuple(items)
+        return node
+
+    return walk(tree, prefix), tensors
+
+
+def insert_tensors(skeleton: Any, tensors: Mapping[TensorPath, torch.Tensor], prefix: TensorPath = ()) -> Any:
+    """Inverse of :func:`extract_tensors` for the paths under ``prefix`` (modifies and returns ``skeleton``)."""
+    for path, tensor in tensors.items():
+        if path[: len(prefix)] != prefix:
+            continue
+        rel = path[len(prefix) :]
+        if not rel:
+            skeleton = tensor
+            continue
+        node = skeleton
+        for i, key in enumerate(rel[:-1]):
+            nxt = rel[i + 1]
+            if isinstance(node, dict):
+                if key not in node or node[key] is None:
+                    node[key] = {} if isinstance(nxt, str) else []
+                node = node[key]
+            else:
+                while len(node) <= key:
+                    node.append(None)
+                if node[key] is None:
+                    node[key] = {} if isinstance(nxt, str) else []
+                node = node[key]
+        last = rel[-1]
+        if isinstance(node, dict):
+            node[last] = tensor
+        else:
+            while len(node) <= last:
+                node.append(None)
+            node[last] = tensor
+    return skeleton
+
+
+def storage_key(path: TensorPath) -> str:
+    """The flat key a tensor is stored under in the shard files (human-readable; the exact path is in meta.pt)."""
+    return "/".join(str(p) for p in path)
+
+
+def _fmt(path: TensorPath) -> str:
+    return "checkpoint" + "".join(f"[{p!r}]" for p in path)
+
+
+def iter_leaves(tree: Any, prefix: TensorPath = ()) -> Iterator[tuple[TensorPath, Any]]:
+    """Every non-container leaf with its path (dict keys and list positions)."""
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from iter_leaves(value, (*prefix, key))
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            yield from iter_leaves(value, (*prefix, i))
+    else:
+        yield prefix, tree
+
+
+# -- plain containers ---------------------------------------------------------------------------------------------------
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_TORCH_PLAIN = (torch.dtype, torch.Size, torch.device)
+
+
+def to_plain(obj: Any, path: TensorPath = (), converted: list[str] | None = None) -> Any:
+    """Plain containers and values only, so ``torch.load(weights_only=True)`` reads them without running code.
+
+    OmegaConf configs, ``AttributeDict``, ``Namespace`` and dataclasses become dicts, enums their values,
+    paths strings; anything else is stored as its ``repr`` and named in ``converted`` (the caller warns).
+    """
+    if type(obj) in _SCALARS or isinstance(obj, _TORCH_PLAIN):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, DTensor):
+            raise CheckpointError(
+                f"{_fmt(path)} is a sharded DTensor outside 'state_dict'/'optimizer_states'; gather it with"
+                " `.full_tensor()` in `on_save_checkpoint` before saving."
+            )
+        return obj.detach()
+    if isinstance(obj, enum.Enum):
+        return to_plain(obj.value, path, converted)
+    if isinstance(obj, bool):
+        return bool(obj)
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        return float(obj)
+    if isinstance(obj, str):
+        return "".join([obj])
+    if isinstance(obj, pathlib.PurePath):
+        return str(obj)
+    container = _omegaconf_container(obj)
+    if container is not None:
+        return to_plain(container, path, converted)
+    if isinstance(obj, argparse.Namespace):
+        obj = vars(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        out = {}
+        for key, value in obj.items():
+            plain_key = to_plain(key, (*path, key), converted)
+            out[plain_key] = to_plain(value, (*path, key), converted)
+        return out
+    if isinstance(obj, tuple):
+        return tuple(to_plain(v, (*path, i), converted) for i, v in enumerate(obj))
+    if isinstance(obj, list):
+        return [to_plain(v, (*path, i), converted) for i, v in enumerate(obj)]
+    if isinstance(obj, (set, frozenset)):
+        return {to_plain(v, path, converted) for v in obj}
+    if converted is not None:
+        converted.append(f"{_fmt(path)} ({type(obj).__name__})")
+    return repr(obj)
+
+
+def _omegaconf_container(obj: Any) -> Any:
+    try:
+        from omegaconf import Container, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf ships with hydra-core, a dependency
+        return None
+    if isinstance(obj, Container):
+        return OmegaConf.to_container(obj, resolve=True)
+    return None
+
+
+def plain_checkpoint_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """:func:`to_plain` for a whole Lightning checkpoint dict (minus tensors), warning about lossy conversions.
+
+    ``hparams_type`` (a class, only present for OmegaConf hyper-parameters) is dropped: the hyper-parameters
+    are stored as a plain dict and Lightning loads them as one.
+    """
+    converted: list[str] = []
+    meta = {k: v for k, v in meta.items() if k not in ("hparams_type", "datamodule_hparams_type")}
+    plain = to_plain(meta, (), converted)
+    if converted:
+        warnings.warn(
+            "These checkpoint entries are not plain data and were stored as their repr() so that the checkpoint"
+            f" loads without executing code: {', '.join(converted)}. Store plain values (str, numbers, lists, dicts)"
+            " to keep them.",
+            stacklevel=3,
+        )
+    return plain
+
+
+# -- optimizer state keys -----------------------------------------------------------------------------------------------
+def optimizer_state_to_ids(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Parameter-name keyed optimizer state → ``torch.optim`` format (ids in param-group order).
+
+    This is what a plain Lightning ``.ckpt`` holds, so ``optimizer.load_state_dict`` works without this package.
+    """
+    ids: dict[Any, int] = {}
+    groups = []
+    for group in state.get("param_groups", []):
+        new_group = dict(group)
+        new_group["params"] = []
+        for name in group["params"]:
+            ids.setdefault(name, len(ids))
+            new_group["params"].append(ids[name])
+        groups.append(new_group)
+    per_param = {ids[name]: value for name, value in state.get("state", {}).items() if name in ids}
+    return {"state": per_param, "param_groups": groups}
+
+
+def is_id_keyed(state: Mapping[str, Any]) -> bool:
+    """Whether an optimizer state dict uses ``torch.optim``'s integer ids (rather than parameter names)."""
+    params = [p for g in state.get("param_groups", []) for p in g.get("params", [])]
+    return bool(params) and all(isinstance(p, int) and not isinstance(p, bool) for p in params)
+
+
+def optimizer_state_to_fqns(state: Mapping[str, Any], group_names: list[list[str]]) -> dict[str, Any]:
+    """``torch.optim`` format → parameter-name keyed, matching ids to the current optimizer's names by position."""
+    groups = state.get("param_groups", [])
+    saved_sizes = [len(g["params"]) for g in groups]
+    current_sizes = [len(n) for n in group_names]
+    if saved_sizes != current_sizes:
+        raise CheckpointError(
+            f"The checkpoint's optimizer has param groups of sizes {saved_sizes}, the current optimizer"
+            f" {current_sizes}. Build the optimizer with the same parameter groups as when it was saved."
+        )
+    name_of: dict[int, str] = {}
+    new_groups = []
+    for group, names in zip(groups, group_names):
+        new_group = dict(group)
+        new_group["params"] = list(names)
+        for pid, name in zip(group["params"], names):
+            name_of[pid] = name
+        new_groups.append(new_group)
+    per_param = {name_of[pid]: value for pid, value in state.get("state", {}).items() if pid in name_of}
+    return {"state": per_param, "param_groups": new_groups}
