@@ -1,0 +1,50 @@
+"""The ``lightning-fsdp`` command: ``train``, ``consolidate`` and ``estimate``.
+
+Each subcommand lives in its own module, imported only when used, whose ``main(argv) -> int`` receives the
+arguments after the subcommand's name. ``python -m lightning_fsdp ...`` is the same command.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional
+
+#: subcommand → (module with `main(argv) -> int`, one-line description)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("lightning_fsdp.train", "compose the Hydra config and fit (arguments: Hydra overrides, -m, --help)"),
+    "consolidate": ("lightning_fsdp.checkpoint.consolidate", "turn a sharded checkpoint into one full file"),
+    "estimate": ("lightning_fsdp.planner", "estimate per-rank memory of a model/strategy before running it"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: lightning-fsdp <command> [arguments]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {description}" for name, (_, description) in COMMANDS.items()]
+    lines += ["", "`lightning-fsdp <command> --help` describes a command's arguments."]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Dispatch to a subcommand; returns its exit code (2 for a usage error)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        from lightning_fsdp import __version__
+
+        print(f"lightning-fsdp {__version__}")
+        return 0
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        print(f"lightning-fsdp: unknown command {command!r}.\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    code = module.main(rest)
+    return int(code) if code is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Models for the example jobs: a GPT-style decoder LM and a small CNN with BatchNorm.
+
+Both are ordinary LightningModules; neither imports the strategy. :data:`PRESETS` and :func:`count_params` let
+other tools (benchmarks, the memory planner) build a decoder of a given size.
+"""
+
+from lightning_fsdp.models.cnn import ConvBlock, ShapesCNN, average_batchnorm_stats
+from lightning_fsdp.models.gpt import (
+    GPT,
+    PRESETS,
+    GPTConfig,
+    GPTLightningModule,
+    TransformerBlock,
+    config_with_params,
+    count_params,
+    get_preset,
+)
+
+__all__ = [
+    "GPT",
+    "PRESETS",
+    "ConvBlock",
+    "GPTConfig",
+    "GPTLightningModule",
+    "ShapesCNN",
+    "TransformerBlock",
+    "average_batchnorm_stats",
+    "config_with_params",
+    "count_params",
+    "get_preset",
+]

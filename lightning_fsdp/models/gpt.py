@@ -1,0 +1,463 @@
+"""A small GPT-style decoder LM as a LightningModule, shaped for sharding.
+
+The network is built in ``configure_model``: under a sharded strategy Lightning calls it on the meta device, the
+strategy shards the empty model and then calls ``reset_parameters()`` on every module that owns parameters or
+buffers, so each rank initialises only its own shards. Every such module here therefore has a ``reset_parameters``
+that fully (re)initialises it, including the rotary tables, which are buffers. In a plain single process the same
+code builds the network on the CPU/GPU directly.
+
+The blocks are all one class, :class:`TransformerBlock`, held in an ``nn.ModuleList``: ``auto_wrap_policy="auto"``
+makes each block an FSDP unit without naming anything, and ``[TransformerBlock]`` names it explicitly in YAML.
+
+Sizes: :data:`PRESETS` maps names (``"gpt-5m"``, ``"gpt-50m"``, ...) to a :class:`GPTConfig`; :func:`count_params`
+gives the exact parameter count of a config without building it; :func:`config_with_params` picks a width for a
+target size. Benchmarks and the memory planner build models from these.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "GPTLightningModule",
+    "PRESETS",
+    "TransformerBlock",
+    "config_with_params",
+    "count_params",
+    "get_preset",
+]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the decoder.
+
+    Args:
+        vocab_size: number of token ids (256 for the byte-level corpus).
+        n_layer: number of :class:`TransformerBlock` s.
+        n_head: attention heads; ``d_model`` must divide evenly and the head size must be even (rotary).
+        d_model: width of the residual stream.
+        seq_len: longest context; the rotary tables are built for this length.
+        mlp_ratio: hidden width of the MLP as a multiple of ``d_model``.
+        dropout: dropout on attention and residual branches (0 for small data).
+        tie_weights: share the token embedding with the output head (saves ``vocab_size × d_model`` params).
+    """
+
+    vocab_size: int = 256
+    n_layer: int = 6
+    n_head: int = 8
+    d_model: int = 256
+    seq_len: int = 256
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    tie_weights: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "mlp_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}.")
+        if self.d_model % self.n_head != 0:
+            raise ValueError(f"GPTConfig: d_model={self.d_model} is not divisible by n_head={self.n_head}.")
+        if (self.d_model // self.n_head) % 2 != 0:
+            raise ValueError(
+                f"GPTConfig: the head size d_model/n_head={self.d_model // self.n_head} must be even for rotary"
+                " position embeddings; change d_model or n_head."
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+#: Named sizes (byte-level vocabulary). The name is the rounded parameter count; see :func:`count_params`.
+PRESETS: dict[str, GPTConfig] = {
+    "gpt-tiny": GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=64),  # ~0.12M, for tests
+    "gpt-5m": GPTConfig(n_layer=6, n_head=8, d_model=256, seq_len=256),  # ~4.8M, the default job
+    "gpt-25m": GPTConfig(n_layer=8, n_head=8, d_model=512, seq_len=256),  # ~25M
+    "gpt-50m": GPTConfig(n_layer=10, n_head=10, d_model=640, seq_len=512),  # ~49M
+    "gpt-200m": GPTConfig(n_layer=16, n_head=16, d_model=1024, seq_len=1024),  # ~202M
+}
+
+
+def get_preset(name: str, **overrides: Any) -> GPTConfig:
+    """The preset ``name`` with some fields replaced, e.g. ``get_preset("gpt-50m", seq_len=1024)``."""
+    if name not in PRESETS:
+        raise KeyError(f"Unknown GPT preset {name!r}; choose one of {sorted(PRESETS)}.")
+    return replace(PRESETS[name], **overrides)
+
+
+def count_params(config: GPTConfig) -> int:
+    """Exact number of (unique) parameters of :class:`GPT` for ``config``, without building it.
+
+    Per block: two LayerNorms (``2·d`` each), q/k/v and output projections (``4·d²``, no biases) and the MLP
+    (``2·r·d²``). Plus the token embedding, the final LayerNorm and, if untied, the output head.
+    """
+    d, r = config.d_model, config.mlp_ratio
+    per_block = 4 * d + 4 * d * d + 2 * r * d * d
+    embedding = config.vocab_size * d
+    head = 0 if config.tie_weights else config.vocab_size * d
+    return config.n_layer * per_block + embedding + 2 * d + head
+
+
+def config_with_params(
+    target: int, *, n_layer: int, head_dim: int = 64, vocab_size: int = 256, seq_len: int = 256, **kwargs: Any
+) -> GPTConfig:
+    """The config with ``n_layer`` blocks whose size is closest to ``target`` params (width a multiple of ``head_dim``)."""
+    if target < 1 or n_layer < 1:
+        raise ValueError(f"target and n_layer must be positive, got target={target}, n_layer={n_layer}.")
+    best: Optional[GPTConfig] = None
+    n_head = 1
+    while True:
+        cfg = GPTConfig(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, d_model=n_head * head_dim,
+                        seq_len=seq_len, **kwargs)
+        if best is None or abs(count_params(cfg) - target) < abs(count_params(best) - target):
+            best = cfg
+        if count_params(cfg) >= target:
+            return best
+        n_head += 1
+
+
+# -- building blocks: each module that owns parameters/buffers initialises them in `reset_parameters` ------------------
+class NormalLinear(nn.Linear):
+    """``nn.Linear`` (no bias by default) initialised from N(0, ``std``²), the GPT-2 scheme."""
+
+    def __init__(self, in_features: int, out_features: int, std: float, bias: bool = False) -> None:
+        self.std = std  # read by reset_parameters, which nn.Linear.__init__ calls
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class NormalEmbedding(nn.Embedding):
+    """``nn.Embedding`` initialised from N(0, ``std``²)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, std: float) -> None:
+        self.std = std
+        super().__init__(num_embeddings, embedding_dim)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position tables (cos/sin) as non-persistent buffers, rebuilt by ``reset_parameters``.
+
+    Buffers created on the meta device hold no values; ``reset_parameters`` is what makes them correct after
+    the strategy materialises the model.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, base: float = 10000.0) -> None:
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.base = head_dim, max_seq_len, base
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        device = self.cos.device
+        inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim)
+        angles = torch.outer(torch.arange(self.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+        with torch.no_grad():
+            self.cos.copy_(angles.cos())
+            self.sin.copy_(angles.sin())
+
+    def forward(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        if seq_len > self.max_seq_len:
+            raise ValueError(f"Sequence of length {seq_len} is longer than the model's seq_len={self.max_seq_len}.")
+        return self.cos[:seq_len].to(device), self.sin[:seq_len].to(device)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs ``(x[..., i], x[..., i + d/2])`` of ``x`` (B, H, T, d) by the position angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d, std = config.d_model, 0.02
+        self.n_head, self.dropout = config.n_head, config.dropout
+        self.qkv = NormalLinear(d, 3 * d, std)
+        self.proj = NormalLinear(d, d, std / math.sqrt(2 * config.n_layer))  # residual branch: scaled init
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(out.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d, hidden = config.d_model, config.mlp_ratio * config.d_model
+        self.fc = NormalLinear(d, hidden, 0.02)
+        self.out = NormalLinear(hidden, d, 0.02 / math.sqrt(2 * config.n_layer))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm decoder block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``. The unit of sharding."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), cos, sin))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    """The bare decoder: token ids (B, T) → logits (B, T, vocab). No Lightning; benchmarks can use it directly."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = NormalEmbedding(config.vocab_size, config.d_model, 0.02)
+        self.rotary = RotaryEmbedding(config.head_dim, config.seq_len)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.norm = nn.LayerNorm(config.d_model)
+        # Tied: the output projection reuses the embedding matrix in `forward` instead of sharing one Parameter
+        # between two modules; a shared Parameter comes apart when a meta-device model is materialised with
+        # `to_empty` outside FSDP, a functional tie cannot.
+        self.head = None if config.tie_weights else NormalLinear(config.d_model, config.vocab_size, 0.02)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        cos, sin = self.rotary(idx.shape[1], idx.device)
+        x = self.drop(self.tok_emb(idx))
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        x = self.norm(x)
+        return F.linear(x, self.tok_emb.weight) if self.head is None else self.head(x)
+
+
+# -- the LightningModule ------------------------------------------------------------------------------------------
+class GPTLightningModule(L.LightningModule):
+    """GPT decoder LM trained with next-token cross-entropy, AdamW and warmup + cosine decay.
+
+    Args:
+        vocab_size, n_layer, n_head, d_model, seq_len, mlp_ratio, dropout, tie_weights: the :class:`GPTConfig`.
+        lr: peak learning rate, reached after ``warmup_steps``.
+        weight_decay: AdamW decay, applied to matrices (the tied embedding included), not to norm weights.
+        betas: AdamW betas.
+        warmup_steps: linear warmup length in optimizer steps.
+        max_steps: length of the cosine decay; ``None`` uses ``trainer.estimated_stepping_batches``.
+        min_lr_ratio: the learning rate decays to ``lr * min_lr_ratio``.
+
+    Logs ``train_loss``/``train_ppl``/``train_acc`` every step (averaged over ranks) and ``val_loss``/``val_ppl``/
+    ``val_acc`` per validation run (torchmetrics, synchronised across ranks on ``compute``).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        n_layer: int = 6,
+        n_head: int = 8,
+        d_model: int = 256,
+        seq_len: int = 256,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+        tie_weights: bool = True,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: Sequence[float] = (0.9, 0.95),
+        warmup_steps: int = 20,
+        max_steps: Optional[int] = None,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = GPTConfig(vocab_size, n_layer, n_head, d_model, seq_len, mlp_ratio, dropout, tie_weights)
+        self.net: Optional[GPT] = None
+        # torchmetrics objects live outside the module tree: a model materialised from the meta device goes through
+        # `to_empty`, which would leave metric states (and their reset defaults) as uninitialised memory.
+        self._val_metrics: dict[str, Any] = _new_val_metrics(vocab_size)
+
+    @classmethod
+    def from_preset(cls, name: str, **kwargs: Any) -> GPTLightningModule:
+        """``GPTLightningModule.from_preset("gpt-5m", lr=3e-4)``; shape fields in ``kwargs`` override the preset."""
+        shape = {k: kwargs.pop(k) for k in list(kwargs) if k in GPTConfig.__dataclass_fields__}
+        return cls(**asdict(get_preset(name, **shape)), **kwargs)
+
+    @property
+    def num_params(self) -> int:
+        return count_params(self.config)
+
+    def configure_model(self) -> None:
+        """Build the network (on the meta device under a sharded strategy); idempotent."""
+        if self.net is None:
+            self.net = GPT(self.config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        if self.net is None:
+            self.configure_model()
+        assert self.net is not None
+        return self.net(idx)
+
+    def _shared_step(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        return loss, logits, y
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        from torchmetrics.functional.classification import multiclass_accuracy
+
+        loss, logits, y = self._shared_step(batch)
+        acc = multiclass_accuracy(logits.detach().argmax(-1), y, self.config.vocab_size, average="micro")
+        # one all-reduce for both values; every rank sees the same tokens-per-batch, so a mean is exact
+        stats = self.trainer.strategy.reduce(torch.stack([loss.detach(), acc.to(loss.dtype)]), reduce_op="mean")
+        self.log("train_loss", stats[0], prog_bar=True)
+        self.log("train_ppl", stats[0].exp())
+        self.log("train_acc", stats[1])
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss, logits, y = self._shared_step(batch)
+        metrics = self._metrics_on(logits.device)
+        metrics["loss"].update(loss.detach(), weight=y.numel())
+        metrics["ppl"].update(logits.detach().float(), y)
+        metrics["acc"].update(logits.detach().argmax(-1), y)
+
+    def on_validation_epoch_end(self) -> None:
+        values = {name: metric.compute() for name, metric in self._val_metrics.items()}  # collective: syncs ranks
+        for metric in self._val_metrics.values():
+            metric.reset()
+        self.log("val_loss", values["loss"], prog_bar=True, sync_dist=True)
+        self.log("val_ppl", values["ppl"], sync_dist=True)
+        self.log("val_acc", values["acc"], sync_dist=True)
+
+    def _metrics_on(self, device: torch.device) -> dict[str, Any]:
+        for metric in self._val_metrics.values():
+            if metric.device != device:
+                metric.to(device)
+        return self._val_metrics
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        h = self.hparams
+        decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": h.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=h.lr,
+            betas=tuple(h.betas),
+        )
+        total = h.max_steps if h.max_steps else self.trainer.estimated_stepping_batches
+        total = int(total) if math.isfinite(total) else 10**9
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_multiplier(step, h.warmup_steps, total, h.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        seed: int = 0,
+    ) -> Tensor:
+        """Sample ``max_new_tokens`` continuations of ``prompt_ids`` ((T,) or (B, T)); returns prompt + new ids.
+
+        Each step runs through the module's ``__call__``, so under FSDP2 the root and block hooks all-gather the
+        parameters as in training: call it on every rank (the same number of steps everywhere). With the same
+        ``seed`` every rank samples the same text. ``temperature=0`` is greedy decoding.
+        """
+        device = self._compute_device()
+        idx = prompt_ids.to(device).long()
+        if idx.ndim == 1:
+            idx = idx[None]
+        if idx.shape[1] == 0:
+            raise ValueError("generate() needs a prompt of at least one token.")
+        generator = torch.Generator(device=device).manual_seed(seed)
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                logits = self(idx[:, -self.config.seq_len :])[:, -1, :].float()
+                idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)
+        finally:
+            self.train(was_training)
+            _reshard(self)
+        return idx
+
+    def _compute_device(self) -> torch.device:
+        """Where the forward runs: the strategy's device for a sharded module (its parameters may be offloaded to
+        the CPU), else wherever the parameters are (e.g. moved back to the CPU by another strategy's teardown)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(self, FSDPModule) and self._trainer is not None:
+            return self.trainer.strategy.root_device
+        if self.net is None:
+            self.configure_model()
+        return next(self.parameters()).device
+
+
+def sample_next(logits: Tensor, temperature: float, top_k: Optional[int], generator: torch.Generator) -> Tensor:
+    """One token id per row of ``logits`` (B, V): greedy at ``temperature <= 0``, else top-k sampling."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to ``min_ratio`` at ``total_steps`` (and flat after it)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(total_steps - warmup_steps, 1)
+    progress = min(max(step - warmup_steps, 0) / span, 1.0)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _new_val_metrics(vocab_size: int) -> dict[str, Any]:
+    from torchmetrics import MeanMetric
+    from torchmetrics.classification import MulticlassAccuracy
+    from torchmetrics.text import Perplexity
+
+    return {
+        "loss": MeanMetric(),
+        "ppl": Perplexity(),
+        "acc": MulticlassAccuracy(num_classes=vocab_size, average="micro"),
+    }
+
+
+def _reshard(module: nn.Module) -> None:
+    """Free parameters that FSDP2 left gathered after a forward without backward (the root keeps its own)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+

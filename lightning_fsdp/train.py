@@ -1,0 +1,415 @@
+"""``lightning-fsdp train [overrides]``: compose the Hydra config, instantiate every object, fit.
+
+Processes and folders:
+
+- The process the user starts runs Hydra (``hydra.main``): it composes the config, creates the run folder
+  (or one folder per job with ``-m``) and runs :func:`run`.
+- Lightning's launcher starts ranks ``1..N-1`` by re-running the same command. Before fitting, the launcher
+  process puts the *resolved* job config into the environment (:data:`RANK_CONFIG_ENV`); a process started by the
+  launcher finds it there and runs that exact job: no second composition, no Hydra, no folder of its own, even
+  under ``-m`` (where re-running the command line would start the whole sweep again).
+- With ``-m`` each job runs in a fresh process (:data:`JOB_CONFIG_ENV`), which then launches its ranks as above:
+  no process group, global state or device memory leaks from one job into the next.
+- Ranks started by an external launcher (torchrun, srun) with a global rank above 0 compose the same overrides
+  without Hydra's run machinery, so they create no folders either; give every rank the same
+  ``hydra.run.dir=...`` there (see ``examples/multinode.md``).
+
+Everything that can be checked from the config alone (unknown arguments, a mesh that does not fit the devices)
+fails in :func:`validate_config`, before any process or process group exists.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import inspect
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+log = logging.getLogger(__name__)
+
+CONFIG_MODULE = "lightning_fsdp.configs"
+CONFIG_NAME = "train"
+#: the resolved job config (YAML) handed from the launching process to the ranks it starts
+RANK_CONFIG_ENV = "LIGHTNING_FSDP_RANK_CONFIG"
+#: the resolved config of one multirun job, handed to the process that runs it
+JOB_CONFIG_ENV = "LIGHTNING_FSDP_JOB_CONFIG"
+#: config nodes that are built with `hydra.utils.instantiate`, checked against their target's signature
+INSTANTIATED_NODES = ("trainer", "strategy", "model", "data")
+#: arguments `run` passes to the Trainer itself
+TRAINER_OBJECT_ARGS = ("strategy", "callbacks", "logger")
+
+
+# -- validation: pure functions of the config ------------------------------------------------------------------------
+class ConfigError(ValueError):
+    """A config that cannot work; the message names the key and the fix."""
+
+
+def _locate(target: str, where: str) -> Any:
+    from hydra.utils import get_object
+
+    try:
+        return get_object(target)
+    except Exception as err:  # ImportError, AttributeError, ValueError: all mean "no such object"
+        raise ConfigError(f"{where}._target_={target!r} cannot be imported: {err}") from err
+
+
+def accepted_arguments(target: Any) -> Optional[set[str]]:
+    """Keyword arguments ``target`` accepts, or ``None`` when it takes ``**kwargs`` (anything goes)."""
+    params = inspect.signature(target).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+
+
+def check_init_args(node: Mapping[str, Any], where: str, extra: Sequence[str] = ()) -> None:
+    """Raise :class:`ConfigError` if ``node`` has keys its ``_target_`` does not accept, listing the valid ones."""
+    target_path = node.get("_target_")
+    if not target_path:
+        raise ConfigError(f"`{where}` has no `_target_`; choose a config from the `{where}/` group.")
+    target = _locate(str(target_path), where)
+    accepted = accepted_arguments(target)
+    if accepted is None:
+        return
+    given = [str(k) for k in node.keys() if not str(k).startswith("_")] + list(extra)
+    unknown = [k for k in given if k not in accepted]
+    if unknown:
+        name = getattr(target, "__name__", str(target_path))
+        hints = [f"{k!r} → did you mean {m[0]!r}?" for k in unknown if (m := difflib.get_close_matches(k, accepted, 1))]
+        raise ConfigError(
+            f"`{where}`: {name} has no argument(s) {unknown}."
+            + (f" ({'; '.join(hints)})" if hints else "")
+            + f" Valid arguments: {', '.join(sorted(accepted))}."
+            f" Remove or rename the key (e.g. `~{where}.{unknown[0]}` on the command line)."
+        )
+
+
+def world_size_of(trainer_cfg: Mapping[str, Any]) -> Optional[int]:
+    """``devices × num_nodes`` when the config fixes it (an int or a list of devices), else ``None`` ("auto", -1)."""
+    devices = trainer_cfg.get("devices", "auto")
+    num_nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
+    if isinstance(devices, (list, tuple, ListConfig)):
+        return len(devices) * num_nodes
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
+        return devices * num_nodes
+    return None
+
+
+def check_mesh(cfg: DictConfig) -> None:
+    """The sharding mesh (replicate × shard) must equal the number of processes; checked before any starts."""
+    from lightning_fsdp.distributed import resolve_mesh_shape
+    from lightning_fsdp.strategy import FSDPCustomStrategy
+
+    target = _locate(str(cfg.strategy._target_), "strategy")
+    if not (isinstance(target, type) and issubclass(target, FSDPCustomStrategy)):
+        return
+    world = world_size_of(cfg.trainer)
+    if world is None:
+        return
+    num_nodes = int(cfg.trainer.get("num_nodes", 1) or 1)
+    replicate = cfg.strategy.get("replicate_size", 1)
+    shard = cfg.strategy.get("shard_size", "auto")
+    try:
+        resolve_mesh_shape(replicate, shard, world, num_nodes)
+    except ValueError as err:
+        raise ConfigError(
+            f"trainer.devices={cfg.trainer.devices} × trainer.num_nodes={num_nodes} = {world} processes do not fit"
+            f" strategy.replicate_size={replicate} × strategy.shard_size={shard}: {err}"
+        ) from err
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Everything checkable from the config alone: unknown arguments and the mesh. Starts nothing."""
+    missing = [name for name in INSTANTIATED_NODES if cfg.get(name) is None]
+    if missing:
+        raise ConfigError(f"The config has no {missing}; every job needs trainer, strategy, model and data.")
+    for name in INSTANTIATED_NODES:
+        check_init_args(cfg[name], name, extra=TRAINER_OBJECT_ARGS if name == "trainer" else ())
+    for group in ("callbacks", "logger"):
+        for key, node in (cfg.get(group) or {}).items():
+            if isinstance(node, DictConfig) and "_target_" in node:
+                check_init_args(node, f"{group}.{key}")
+    check_mesh(cfg)
+    if cfg.get("pretrained_if_missing", "error") not in ("error", "init"):
+        raise ConfigError(f"pretrained_if_missing={cfg.pretrained_if_missing!r}: use 'error' or 'init'.")
+
+
+# -- building the objects ------------------------------------------------------------------------------------------
+def instantiate_group(group_cfg: Optional[DictConfig], group: str) -> list[Any]:
+    """Instantiate each ``_target_`` entry of a callbacks/logger group (TensorBoard only if installed)."""
+    from hydra.utils import instantiate
+
+    objects: list[Any] = []
+    for key, node in (group_cfg or {}).items():
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            continue
+        if "TensorBoardLogger" in str(node._target_) and not _tensorboard_available():
+            log.warning("%s.%s skipped: neither tensorboard nor tensorboardX is installed.", group, key)
+            continue
+        objects.append(instantiate(node, _convert_="all"))
+    return objects
+
+
+def _tensorboard_available() -> bool:
+    return any(importlib.util.find_spec(name) is not None for name in ("tensorboard", "tensorboardX"))
+
+
+def ensure_pretrained(cfg: DictConfig) -> Optional[Path]:
+    """Make sure ``strategy.pretrained_weights`` exists before any process starts.
+
+    With ``pretrained_if_missing=init`` a missing file is created from a freshly initialised model (its full
+    state dict), so the fine-tuning experiment runs on any machine; otherwise a missing file is an error.
+    """
+    weights = cfg.strategy.get("pretrained_weights")
+    if not weights:
+        return None
+    path = Path(str(weights))
+    if path.exists():
+        return path
+    if cfg.get("pretrained_if_missing", "error") != "init":
+        raise ConfigError(
+            f"strategy.pretrained_weights={str(path)!r} does not exist. Write it from a trained run with"
+            f" `lightning-fsdp consolidate <checkpoint directory> {path}`, or pass pretrained_if_missing=init to"
+            " start from a freshly initialised model's weights."
+        )
+    import torch
+    from hydra.utils import instantiate
+
+    model = instantiate(cfg.model, _convert_="all")
+    if callable(getattr(model, "configure_model", None)):
+        model.configure_model()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
+    os.replace(tmp, path)
+    log.warning("pretrained_if_missing=init: wrote a freshly initialised %s to %s", type(model).__name__, path)
+    return path
+
+
+# -- one job, on every rank ------------------------------------------------------------------------------------------
+def run(cfg: DictConfig, *, is_launcher: bool = True) -> dict[str, Any]:
+    """Validate, instantiate, fit, print the sample; returns (and on rank 0 writes) the job summary.
+
+    ``is_launcher``: this process starts the job (global rank 0); it prepares files the other ranks read.
+    """
+    import lightning as L
+    from hydra.utils import instantiate
+
+    import lightning_fsdp  # noqa: F401  (registers the strategy names)
+
+    validate_config(cfg)
+    if is_launcher:
+        ensure_pretrained(cfg)
+    if cfg.get("seed") is not None:
+        L.seed_everything(int(cfg.seed), workers=True)
+
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    model = instantiate(cfg.model, _convert_="all")
+    datamodule = instantiate(cfg.data, _convert_="all")
+    callbacks = instantiate_group(cfg.get("callbacks"), "callbacks")
+    loggers = instantiate_group(cfg.get("logger"), "logger")
+    trainer: L.Trainer = instantiate(
+        cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False, _convert_="all"
+    )
+
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+
+    sample = None
+    if cfg.get("sample") and callable(getattr(model, "generate", None)) and hasattr(datamodule, "encode"):
+        sample = generate_sample(model, datamodule, cfg.sample)  # every rank: FSDP gathers parameters
+        if trainer.is_global_zero:
+            print(f"\nSample from the trained model (prompt {cfg.sample.prompt!r}):\n{sample}\n", flush=True)
+
+    summary = summarize(trainer, sample)
+    if trainer.is_global_zero:
+        output_dir = Path(str(cfg.paths.output_dir)) if cfg.get("paths") else Path(trainer.default_root_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _wait_for_ranks(trainer)
+    return summary
+
+
+def generate_sample(model: Any, datamodule: Any, sample_cfg: DictConfig) -> str:
+    prompt_ids = datamodule.encode(str(sample_cfg.prompt))
+    ids = model.generate(
+        prompt_ids,
+        max_new_tokens=int(sample_cfg.get("max_new_tokens", 100)),
+        temperature=float(sample_cfg.get("temperature", 1.0)),
+        top_k=sample_cfg.get("top_k"),
+        seed=int(sample_cfg.get("seed", 0)),
+    )
+    return datamodule.decode(ids[0])
+
+
+def summarize(trainer: Any, sample: Optional[str]) -> dict[str, Any]:
+    """Plain numbers and paths a user or a test can read back from ``summary.json``."""
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+    ckpt = trainer.checkpoint_callback
+    strategy = trainer.strategy
+    summary: dict[str, Any] = {
+        "state": str(trainer.state.status.value),
+        "global_step": int(trainer.global_step),
+        "world_size": int(trainer.world_size),
+        "strategy": getattr(strategy, "strategy_name", type(strategy).__name__),
+        "metrics": metrics,
+        "last_checkpoint": getattr(ckpt, "last_model_path", "") or None,
+        "best_checkpoint": getattr(ckpt, "best_model_path", "") or None,
+        "sample": sample,
+    }
+    if hasattr(strategy, "wrapped_units"):
+        summary["wrapped_units"] = list(strategy.wrapped_units)
+        summary["mesh_shape"] = list(strategy.mesh_shape.sizes)
+    from lightning_fsdp.memory import MemoryReport
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, MemoryReport) and callback.rows:
+            summary["memory"] = {
+                "ranks": [{"rank": r.rank, "params": r.params, "grads": r.grads, "optimizer": r.optimizer,
+                           "peak": r.peak} for r in callback.rows],
+                "unsharded": callback.unsharded.as_dict() if callback.unsharded is not None else None,
+                "shard_size": callback.shard_size,
+            }
+    return summary
+
+
+def _wait_for_ranks(trainer: Any, timeout: float = 300.0) -> None:
+    """The launching process waits for the ranks it started, and fails if one of them failed."""
+    procs = getattr(getattr(trainer.strategy, "launcher", None), "procs", None) or []
+    failed = []
+    for rank, proc in enumerate(procs, start=1):
+        code = proc.wait(timeout=timeout)
+        if code != 0:
+            failed.append((rank, code))
+    if failed:
+        raise RuntimeError(f"Rank(s) started by this process failed (local rank, exit code): {failed}.")
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -- processes: who composes the config -------------------------------------------------------------------------------
+def external_global_rank(env: Mapping[str, str] = os.environ) -> int:
+    """The global rank an external launcher gave this process (torchrun ``RANK``, srun ``SLURM_PROCID``, or a
+    manual multi-node launch's ``NODE_RANK``); 0 when started directly."""
+    if env.get("RANK", "").isdigit():
+        return int(env["RANK"])
+    if env.get("SLURM_PROCID", "").isdigit() and int(env.get("SLURM_NTASKS", "1") or 1) > 1:
+        return int(env["SLURM_PROCID"])
+    if env.get("NODE_RANK", "").isdigit() and "LOCAL_RANK" not in env:
+        return int(env["NODE_RANK"])
+    return 0
+
+
+def is_launched_rank(env: Mapping[str, str] = os.environ) -> bool:
+    """True in a process started by this job's launcher (Lightning's), which must run the handed-over config."""
+    return RANK_CONFIG_ENV in env and env.get("LOCAL_RANK", "0") not in ("", "0")
+
+
+def _run_handed_over() -> int:
+    cfg = OmegaConf.create(os.environ[RANK_CONFIG_ENV])
+    assert isinstance(cfg, DictConfig)
+    run(cfg, is_launcher=False)
+    return 0
+
+
+def _run_as_launcher(cfg: DictConfig, command_argv: list[str], *, is_launcher: bool) -> dict[str, Any]:
+    """One job in the process that starts the other local ranks; the process is left as it was found."""
+    saved_env, saved_argv = dict(os.environ), list(sys.argv)
+    sys.argv = command_argv  # Lightning's launcher re-runs sys.argv for the other ranks
+    os.environ[RANK_CONFIG_ENV] = OmegaConf.to_yaml(cfg, resolve=True)
+    try:
+        return run(cfg, is_launcher=is_launcher)
+    finally:
+        _destroy_process_group()
+        # the launcher sets LOCAL_RANK/WORLD_SIZE/MASTER_PORT here; a next multirun job must start from scratch
+        for key in set(os.environ) - set(saved_env):
+            del os.environ[key]
+        os.environ.update(saved_env)
+        sys.argv = saved_argv
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """Compose like ``hydra.main`` would, but create no folder: for ranks an external launcher started."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.hydra_config import HydraConfig
+
+    flags = [a for a in overrides if a.startswith("-")]
+    if flags:
+        raise ConfigError(
+            f"{flags}: Hydra flags (e.g. -m/--multirun) cannot be used when torchrun/srun starts the ranks;"
+            " pass only key=value overrides (one job per launch)."
+        )
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        cfg = compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(Path(str(cfg.hydra.run.dir)).absolute())
+        cfg.hydra.job.num = 0
+    HydraConfig.instance().set_config(cfg)
+    job = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    with open_dict(job):
+        del job["hydra"]
+    return job
+
+
+def _run_job_in_subprocess(cfg: DictConfig) -> None:
+    """One multirun job in a fresh process tree: no process group, global state or device memory carries over
+    from one job to the next. The job's process receives the resolved config and creates no folder."""
+    env = {**os.environ, JOB_CONFIG_ENV: OmegaConf.to_yaml(cfg, resolve=True)}
+    proc = subprocess.run([sys.executable, "-m", "lightning_fsdp.train"], env=env, cwd=os.getcwd(), check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"The job's training processes failed (exit code {proc.returncode}); see their output above.")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``lightning-fsdp train``; ``argv`` are Hydra overrides/flags (default ``sys.argv[1:]``)."""
+    if is_launched_rank():
+        return _run_handed_over()
+    if JOB_CONFIG_ENV in os.environ:  # one job of a multirun, started by `_run_job_in_subprocess`
+        cfg = OmegaConf.create(os.environ.pop(JOB_CONFIG_ENV))
+        assert isinstance(cfg, DictConfig)
+        _run_as_launcher(cfg, list(sys.argv), is_launcher=True)
+        return 0
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command_argv = list(sys.argv)
+    if external_global_rank() > 0:
+        cfg = compose_config(argv)
+        _run_as_launcher(cfg, command_argv, is_launcher=False)
+        return 0
+
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME)
+    def _job(cfg: DictConfig) -> None:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            _run_job_in_subprocess(cfg)
+        else:
+            _run_as_launcher(cfg, command_argv, is_launcher=True)
+
+    sys.argv = [sys.argv[0], *argv]  # what hydra.main parses
+    try:
+        _job()
+    except SystemExit as exit_:  # Hydra reports errors itself, then exits
+        return exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        sys.argv = command_argv
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Every config group option composes and instantiates; bad configs fail before anything starts (no process group)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+
+from lightning_fsdp import FSDPCustomStrategy
+from lightning_fsdp.checkpoint.pretrained import read_weights
+from lightning_fsdp.cli import COMMANDS
+from lightning_fsdp.cli import main as cli_main
+from lightning_fsdp.memory import MemoryReport
+from lightning_fsdp.models import GPTLightningModule, count_params
+from lightning_fsdp.train import (
+    ConfigError,
+    compose_config,
+    ensure_pretrained,
+    external_global_rank,
+    instantiate_group,
+    is_launched_rank,
+    validate_config,
+    world_size_of,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+GROUPS = ("trainer", "strategy", "model", "data", "callbacks", "logger", "experiment", "debug")
+#: arguments Lightning's connector passes to every strategy; not part of a strategy YAML
+LIGHTNING_PLUMBING = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+def compose(tmp_path: Path, *overrides: str):
+    """The job config as `lightning-fsdp train` would see it, writing under ``tmp_path`` (nothing is created)."""
+    return compose_config([f"paths.log_dir={tmp_path}", *overrides])
+
+
+def test_every_group_has_options_and_the_layout_is_complete():
+    for group in GROUPS:
+        assert options(group), group
+    assert set(options("strategy")) == {"fsdp_custom", "fsdp_custom_offload", "fsdp_custom_hybrid", "ddp"}
+    assert {"gpt_medium_offload", "finetune_pretrained", "hsdp", "cnn_shapes"} <= set(options("experiment"))
+    for path in (CONFIGS / "experiment").glob("*.yaml"):
+        assert path.read_text().startswith("# @package _global_"), path.name
+
+
+def test_default_config_is_the_embedded_job(tmp_path):
+    cfg = compose(tmp_path)
+    validate_config(cfg)
+    assert cfg.strategy._target_ == "lightning_fsdp.FSDPCustomStrategy" and cfg.trainer.devices == 2
+    assert cfg.trainer.accelerator == "cpu" and cfg.model._target_.endswith("GPTLightningModule")
+    assert cfg.model.seq_len == cfg.data.seq_len
+    assert cfg.paths.output_dir.startswith(str(tmp_path))
+    assert not list(tmp_path.iterdir())  # composing creates no folder
+
+
+@pytest.mark.parametrize("option", options("strategy"))
+def test_strategy_options_instantiate(tmp_path, option):
+    cfg = compose(tmp_path, f"strategy={option}")
+    validate_config(cfg)
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    assert isinstance(strategy, Strategy)
+    if option == "ddp":
+        assert isinstance(strategy, DDPStrategy)
+        return
+    assert isinstance(strategy, FSDPCustomStrategy)
+    assert strategy.cpu_offload is (option == "fsdp_custom_offload")
+    assert strategy.replicate_size == ("auto" if option == "fsdp_custom_hybrid" else 1)
+
+
+@pytest.mark.parametrize("option", [o for o in options("strategy") if o != "ddp"])
+def test_strategy_yaml_keys_equal_the_constructor_arguments(tmp_path, option):
+    cfg = compose(tmp_path, f"strategy={option}")
+    arguments = set(inspect.signature(FSDPCustomStrategy).parameters) - LIGHTNING_PLUMBING
+    assert {k for k in cfg.strategy if not k.startswith("_")} == arguments
+
+
+@pytest.mark.parametrize("option", options("model"))
+def test_model_options_instantiate_and_build(tmp_path, option):
+    cfg = compose(tmp_path, f"model={option}")
+    validate_config(cfg)
+    model = instantiate(cfg.model, _convert_="all")
+    assert isinstance(model, L.LightningModule)
+    if isinstance(model, GPTLightningModule):
+        with torch.device("meta"):  # as under the sharded strategy; sizes only
+            model.configure_model()
+        assert sum(p.numel() for p in model.parameters()) == count_params(model.config)
+    else:
+        assert model(torch.randn(2, 1, 32, 32)).shape == (2, 4)
+
+
+@pytest.mark.parametrize("option", options("data"))
+def test_data_options_instantiate_and_load(tmp_path, option):
+    cfg = compose(tmp_path, f"data={option}", "data.max_bytes=60000") if "text" in option else \
+        compose_config([f"paths.log_dir={tmp_path}", "model=cnn", f"data={option}", "data.num_train=64", "data.num_val=16"])
+    validate_config(cfg)
+    datamodule = instantiate(cfg.data, _convert_="all")
+    assert isinstance(datamodule, L.LightningDataModule)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    x, y = next(iter(datamodule.train_dataloader()))
+    assert x.shape[0] == cfg.data.batch_size and y.shape[0] == cfg.data.batch_size
+
+
+@pytest.mark.parametrize("option", options("trainer"))
+def test_trainer_options_instantiate(tmp_path, option):
+    cfg = compose(tmp_path, f"trainer={option}")
+    validate_config(cfg)
+    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        assert cfg.trainer.precision == "bf16-mixed"
+        pytest.skip("no GPU here: composed and validated only")
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    trainer = instantiate(cfg.trainer, strategy=strategy, logger=False, _convert_="all")  # no process starts here
+    assert isinstance(trainer, L.Trainer) and trainer.strategy is strategy
+    assert trainer.world_size == 2 and strategy.mesh_shape.shard == 2
+
+
+@pytest.mark.parametrize("option", options("callbacks"))
+def test_callbacks_options_instantiate(tmp_path, option):
+    cfg = compose(tmp_path, f"callbacks={option}")
+    validate_config(cfg)
+    callbacks = instantiate_group(cfg.callbacks, "callbacks")
+    assert all(isinstance(c, Callback) for c in callbacks)
+    if option == "default":
+        types = {type(c) for c in callbacks}
+        assert {ModelCheckpoint, MemoryReport} <= types
+        checkpoint = next(c for c in callbacks if isinstance(c, ModelCheckpoint))
+        assert checkpoint.save_last and checkpoint.dirpath.startswith(str(tmp_path))
+
+
+@pytest.mark.parametrize("option", options("logger"))
+def test_logger_options_instantiate(tmp_path, option):
+    cfg = compose(tmp_path, f"logger={option}")
+    validate_config(cfg)
+    loggers = instantiate_group(cfg.logger, "logger")
+    names = sorted(type(lg).__name__ for lg in loggers)
+    expected = {"csv": ["CSVLogger"], "tensorboard": ["TensorBoardLogger"], "none": [],
+                "default": ["CSVLogger", "TensorBoardLogger"]}[option]
+    assert names == expected  # tensorboard is installed in the dev environment
+
+
+@pytest.mark.parametrize("option", options("experiment"))
+def test_experiments_compose_validate_and_instantiate(tmp_path, option):
+    cfg = compose(tmp_path, f"experiment={option}")
+    validate_config(cfg)
+    assert cfg.task_name == option
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    model = instantiate(cfg.model, _convert_="all")
+    assert isinstance(strategy, Strategy) and isinstance(model, L.LightningModule)
+    if option == "hsdp":
+        assert (strategy.replicate_size, strategy.shard_size, cfg.trainer.devices) == (2, 2, 4)
+    if option == "gpt_medium_offload":
+        assert strategy.cpu_offload and strategy.activation_checkpointing_policy == ["TransformerBlock"]
+    if option == "finetune_pretrained":
+        assert strategy.pretrained_weights.endswith(".pt") and cfg.pretrained_if_missing == "init"
+
+
+@pytest.mark.parametrize("option", options("debug"))
+@pytest.mark.parametrize("experiment", [None, "cnn_shapes"])
+def test_debug_options_compose_with_experiments(tmp_path, option, experiment):
+    cfg = compose(tmp_path, f"debug={option}", *([f"experiment={experiment}"] if experiment else []))
+    validate_config(cfg)
+    assert cfg.trainer.get("fast_dev_run") or cfg.trainer.max_steps <= 10
+
+
+# -- bad overrides: errors that name the problem, raised before any process or process group ----------------------
+def test_unknown_group_option_is_hydras_error(tmp_path):
+    with pytest.raises(MissingConfigException, match="gpt_5m"):  # lists the available options
+        compose(tmp_path, "model=gpt_huge")
+
+
+def test_unknown_strategy_key_without_plus_is_hydras_error(tmp_path):
+    with pytest.raises(ConfigCompositionException, match="cpu_ofload"):
+        compose(tmp_path, "strategy.cpu_ofload=true")
+
+
+def test_unknown_strategy_argument_names_the_valid_ones(tmp_path):
+    cfg = compose(tmp_path, "+strategy.cpu_ofload=true")
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    message = str(err.value)
+    assert "cpu_ofload" in message and "did you mean 'cpu_offload'" in message
+    assert "Valid arguments:" in message and "replicate_size" in message
+
+
+def test_unknown_model_and_trainer_arguments_are_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="n_layers"):
+        validate_config(compose(tmp_path, "+model.n_layers=3"))
+    with pytest.raises(ConfigError, match="max_step"):
+        validate_config(compose(tmp_path, "+trainer.max_step=3"))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("experiment=hsdp", "trainer.devices=3"),
+        ("strategy=fsdp_custom_hybrid", "strategy.replicate_size=3"),
+        ("strategy.shard_size=4",),
+    ],
+)
+def test_devices_that_do_not_fit_the_mesh_are_rejected(tmp_path, overrides):
+    with pytest.raises(ConfigError, match="do not fit"):
+        validate_config(compose(tmp_path, *overrides))
+
+
+def test_world_size_of():
+    assert world_size_of({"devices": 2, "num_nodes": 3}) == 6
+    assert world_size_of({"devices": [0, 1]}) == 2
+    assert world_size_of({"devices": "4"}) == 4
+    assert world_size_of({"devices": "auto"}) is None and world_size_of({"devices": -1}) is None
+
+
+def test_which_process_composes_the_config():
+    assert external_global_rank({}) == 0
+    assert external_global_rank({"RANK": "3", "LOCAL_RANK": "1"}) == 3
+    assert external_global_rank({"SLURM_PROCID": "2", "SLURM_NTASKS": "4"}) == 2
+    assert external_global_rank({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) == 0
+    assert external_global_rank({"NODE_RANK": "1"}) == 1
+    assert not is_launched_rank({"LOCAL_RANK": "1"})  # torchrun: no handed-over config
+    assert not is_launched_rank({"LIGHTNING_FSDP_RANK_CONFIG": "a: 1", "LOCAL_RANK": "0"})
+    assert is_launched_rank({"LIGHTNING_FSDP_RANK_CONFIG": "a: 1", "LOCAL_RANK": "1"})
+
+
+def test_ensure_pretrained_writes_initial_weights_or_refuses(tmp_path):
+    path = tmp_path / "pretrained" / "tiny.pt"
+    cfg = compose(tmp_path, "model=gpt_tiny", f"strategy.pretrained_weights={path}")
+    with pytest.raises(ConfigError, match="consolidate"):
+        ensure_pretrained(cfg)
+    assert not path.exists()
+    cfg = compose(tmp_path, "model=gpt_tiny", f"strategy.pretrained_weights={path}", "pretrained_if_missing=init")
+    assert ensure_pretrained(cfg) == path
+    weights = read_weights(path)  # the format the strategy's loader reads
+    model = GPTLightningModule(**{k: v for k, v in cfg.model.items() if k != "_target_"})
+    model.configure_model()
+    assert weights.keys() == model.state_dict().keys()
+    before = path.stat().st_mtime_ns
+    assert ensure_pretrained(cfg) == path and path.stat().st_mtime_ns == before  # an existing file is kept
+
+
+def test_cli_dispatch_and_usage(capsys):
+    assert cli_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in COMMANDS)
+    assert cli_main([]) == 2
+    assert cli_main(["fly"]) == 2
+    assert "unknown command 'fly'" in capsys.readouterr().err

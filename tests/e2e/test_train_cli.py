@@ -1,0 +1,198 @@
+"""`lightning-fsdp train` for real: the default job, every experiment, multirun, torchrun, and bad overrides.
+
+Each test runs the installed console script (or ``python -m lightning_fsdp``) in a fresh folder; Lightning's launcher
+starts the other ranks, which must share the job's one output folder.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_fsdp.checkpoint import verify_checkpoint
+from lightning_fsdp.data import TextCorpusDataModule
+from lightning_fsdp.models import GPTLightningModule
+from tests.helpers.launch import child_env
+
+CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-fsdp")
+#: a smaller slice of the standard-library corpus: builds in well under a second
+SMALL_CORPUS = "data.max_bytes=200000"
+
+
+def cli(args: list[str], cwd: Path, *, module: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "lightning_fsdp", *args] if module else [str(CONSOLE_SCRIPT), *args]
+    return subprocess.run(command, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-8000:]}"
+    return proc
+
+
+def only_run_dir(cwd: Path, task: str) -> Path:
+    """The job's folder; there must be exactly one (ranks > 0 create none)."""
+    runs = sorted((cwd / "outputs" / task / "runs").iterdir())
+    assert len(runs) == 1, runs
+    assert sorted(p.name for p in (cwd / "outputs").iterdir() if p.name != "pretrained") == [task]
+    assert not (cwd / "lightning_logs").exists()
+    return runs[0]
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def logged(run_dir: Path, key: str) -> list[tuple[int, float]]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return [(int(row["step"]), float(row[key])) for row in csv.DictReader(f) if row.get(key)]
+
+
+def consolidate(checkpoint_dir: Path, out: Path, cwd: Path) -> Path:
+    check(cli(["consolidate", str(checkpoint_dir), str(out), "--no-progress"], cwd))
+    return out
+
+
+def test_default_job_briefly_logs_checkpoints_and_learns(tmp_path):
+    """The embedded default (GPT ~4.8M params, fsdp_custom, 2 CPU processes), shortened to 16 steps."""
+    proc = check(cli(["train", "trainer.max_steps=16", "trainer.val_check_interval=8", "trainer.log_every_n_steps=2",
+                      "sample.max_new_tokens=24"], tmp_path))
+    run_dir = only_run_dir(tmp_path, "train")
+    result = summary(run_dir)
+    assert result["state"] == "finished" and result["global_step"] == 16 and result["world_size"] == 2
+    assert result["wrapped_units"] == [f"net.blocks.{i}" for i in range(6)] + [""]
+    assert [row["rank"] for row in result["memory"]["ranks"]] == [0, 1]
+    assert "Memory per rank" in proc.stdout and "Sample from the trained model" in proc.stdout
+    assert result["sample"].startswith("Return the ") and len(result["sample"]) > len("Return the ")
+
+    # CSV (and TensorBoard) logs; the loss falls clearly from ln(256) = 5.55
+    losses = [loss for _, loss in logged(run_dir, "train_loss")]
+    assert len(losses) >= 8 and all(math.isfinite(v) for v in losses)
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 1.0, losses
+    assert {"val_loss", "val_ppl", "val_acc", "train_acc"} <= set(result["metrics"])
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+    # a sharded checkpoint directory that verifies, consolidates and loads in a plain process ...
+    last = Path(result["last_checkpoint"])
+    assert last.is_dir() and last.parent == run_dir / "checkpoints"
+    verify_checkpoint(last)
+    model = GPTLightningModule.load_from_checkpoint(consolidate(last, tmp_path / "full.ckpt", tmp_path), map_location="cpu")
+    # ... and reproduces the validation loss the two ranks logged for the same weights (8 batches of 8 per rank)
+    data = TextCorpusDataModule(seq_len=128, cache_dir=run_dir / "data")
+    data.setup()
+    x = torch.stack([data.val_set[i][0] for i in range(128)])
+    y = torch.stack([data.val_set[i][1] for i in range(128)])
+    model.eval()
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    assert loss.item() == pytest.approx(result["metrics"]["val_loss"], rel=1e-4)
+
+
+def test_finetune_pretrained_starts_from_the_pretrained_weights(tmp_path):
+    """Weights trained elsewhere (here: a plain single-process run) are loaded into the shards by
+    `experiment=finetune_pretrained`: its first loss continues where pretraining ended, far below a fresh model's."""
+    import lightning as L
+
+    L.seed_everything(0)
+    model = GPTLightningModule(n_layer=2, n_head=2, d_model=64, seq_len=128, lr=2e-3, warmup_steps=5)
+    data = TextCorpusDataModule(seq_len=128, batch_size=16, max_bytes=200_000)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=40, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=data)
+    pretrained_loss = float(trainer.callback_metrics["train_loss"])
+    weights = tmp_path / "pretrained" / "tiny.pt"
+    weights.parent.mkdir()
+    torch.save(model.state_dict(), weights)
+
+    (tmp_path / "job").mkdir()
+    check(cli(["train", "experiment=finetune_pretrained", "model=gpt_tiny", SMALL_CORPUS, "sample=null",
+               f"strategy.pretrained_weights={weights}", "debug=steps"], tmp_path / "job"))
+    finetune = [loss for _, loss in logged(only_run_dir(tmp_path / "job", "finetune_pretrained"), "train_loss")]
+    assert pretrained_loss < 4.5, pretrained_loss  # a fresh model starts at ln(256) = 5.55
+    assert abs(finetune[0] - pretrained_loss) < 0.3, (pretrained_loss, finetune)
+
+
+EXPERIMENTS = {
+    "cnn_shapes": ["debug=steps"],
+    "gpt_medium_offload": ["debug=fast_dev_run", SMALL_CORPUS],
+    "hsdp": ["debug=fast_dev_run", SMALL_CORPUS],
+    "finetune_pretrained": ["debug=steps", SMALL_CORPUS],
+}
+
+
+@pytest.mark.parametrize("experiment", sorted(EXPERIMENTS))
+def test_every_experiment_runs_with_a_debug_override(tmp_path, experiment):
+    check(cli(["train", f"experiment={experiment}", *EXPERIMENTS[experiment]], tmp_path))
+    run_dir = only_run_dir(tmp_path, experiment)
+    result = summary(run_dir)
+    assert result["state"] == "finished"
+    if experiment == "cnn_shapes":
+        assert result["wrapped_units"] == ["features.0", "features.1", "features.2", "features.3", ""]
+        assert "val_acc" in result["metrics"] and result["sample"] is None
+        last = Path(result["last_checkpoint"])
+        verify_checkpoint(last)
+        state = torch.load(consolidate(last, tmp_path / "cnn.ckpt", tmp_path), weights_only=True)["state_dict"]
+        running_var = state["features.0.bn.running_var"]  # BatchNorm buffers are saved (and were updated)
+        assert running_var.shape == (16,) and not torch.equal(running_var, torch.ones(16))
+    elif experiment == "gpt_medium_offload":
+        assert result["wrapped_units"] == [f"net.blocks.{i}" for i in range(8)] + [""]
+    elif experiment == "hsdp":
+        assert result["world_size"] == 4 and result["mesh_shape"] == [2, 2]
+        assert len(result["memory"]["ranks"]) == 4 and result["memory"]["shard_size"] == 2
+    elif experiment == "finetune_pretrained":
+        assert (tmp_path / "outputs" / "pretrained" / "gpt_L6_d256_v256.pt").is_file()  # pretrained_if_missing=init
+        assert result["global_step"] == 4
+
+
+def test_multirun_runs_each_job_in_its_own_folder(tmp_path):
+    """`-m` (via `python -m lightning_fsdp`): one folder per job, no folder of the ranks' own, jobs isolated."""
+    proc = check(cli(["train", "-m", "model=gpt_tiny", "debug=fast_dev_run", SMALL_CORPUS, "seed=1,2"], tmp_path,
+                     module=True))
+    assert "Launching 2 jobs" in proc.stdout + proc.stderr
+    sweeps = list((tmp_path / "outputs" / "train" / "multiruns").iterdir())
+    assert len(sweeps) == 1
+    jobs = sorted(p.name for p in sweeps[0].iterdir() if p.is_dir())
+    assert jobs == ["0", "1"]
+    for job in jobs:
+        result = summary(sweeps[0] / job)
+        assert result["state"] == "finished" and result["world_size"] == 2
+    assert not (tmp_path / "outputs" / "train" / "runs").exists()
+
+
+def test_torchrun_ranks_share_the_given_run_dir(tmp_path):
+    """An external launcher starts every rank; ranks > 0 compose the config without creating folders."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lightning_fsdp",
+         "train", "model=gpt_tiny", "debug=steps", SMALL_CORPUS, "hydra.run.dir=shared/run"],
+        cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300,
+    )
+    check(proc)
+    assert [p.name for p in tmp_path.iterdir()] == ["shared"]
+    result = summary(tmp_path / "shared" / "run")
+    assert result["world_size"] == 2 and result["global_step"] == 4
+    verify_checkpoint(Path(result["last_checkpoint"]))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model=gpt_huge"], "Could not find 'model/gpt_huge'"),
+        (["+strategy.cpu_ofload=true"], "did you mean 'cpu_offload'"),
+        (["experiment=hsdp", "trainer.devices=3"], "do not fit"),
+    ],
+)
+def test_bad_overrides_fail_fast_before_any_process_group(tmp_path, overrides, message):
+    proc = cli(["train", *overrides], tmp_path, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert message in output
+    assert "Initializing distributed" not in output and "GLOBAL_RANK" not in output
+    assert not list(tmp_path.rglob("summary.json")) and not list(tmp_path.rglob("*.ckpt"))
