@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
@@ -254,7 +255,7 @@ def _params_and_buffers(model: nn.Module) -> Iterable[torch.Tensor]:
     yield from model.buffers()
 
 
-def materialize_meta_module(model: nn.Module, device: torch.device) -> None:
+def materialize_meta_module(model: nn.Module, device: torch.device, mesh: DeviceMesh | None = None) -> None:
     """Allocate a (sharded) meta-device model on ``device`` and initialise it shard by shard.
 
     ``to_empty`` allocates only each rank's local shards; every module that owns parameters or buffers directly
@@ -274,10 +275,30 @@ def materialize_meta_module(model: nn.Module, device: torch.device) -> None:
             " model outside `configure_model` / `init_module(empty_init=True)`."
         )
     model.to_empty(device=device)
-    with torch.no_grad():
+    with torch.no_grad(), _distinct_shard_rng(mesh):
         for module in model.modules():
             if _owns_state(module):
                 module.reset_parameters()
+
+
+@contextmanager
+def _distinct_shard_rng(mesh: DeviceMesh | None) -> Iterator[None]:
+    """Give each shard its own random stream where DTensor has no distributed RNG (CPU meshes).
+
+    On CUDA, DTensor's offset-based RNG makes every shard a different slice of one random stream. Elsewhere each
+    rank would draw its shard from the same local generator state, so all shards of a weight came out identical.
+    The seed is offset by the shard index only: HSDP replicas of the same shard stay equal, as they must. The
+    generator is forked, so the global random stream after initialisation is the same on every rank.
+    """
+    from torch.distributed.tensor._random import is_rng_supported_mesh
+
+    if mesh is None or (mesh.device_type != "cpu" and is_rng_supported_mesh(mesh)):
+        yield
+        return
+    shard_index = mesh.get_local_rank(mesh.ndim - 1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((torch.initial_seed() + 7919 * shard_index) % (2**63))
+        yield
 
 
 def _owns_state(module: nn.Module) -> bool:

@@ -124,3 +124,13 @@ def test_fp16_mixed_with_sharded_grad_scaler(tmp_path):
     result = _sharded(tmp_path, 2, precision_plugin="16-mixed", steps=3, name="fp16")
     losses = torch.tensor(result["losses"])
     assert torch.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+def test_meta_init_draws_different_random_numbers_per_shard(tmp_path):
+    """On CPU meshes DTensor has no distributed RNG: without care every shard would get the same values."""
+    out = tmp_path / "rng.json"
+    proc = run_python([str(SCRIPTS / "meta_init_rng.py"), str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    halves_equal = json.loads(out.read_text())
+    assert halves_equal, "no evenly split 2-D parameter was checked"
+    assert not any(halves_equal.values()), halves_equal
