@@ -29,7 +29,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -202,8 +201,8 @@ class FSDPCustomStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        # Lightning's script launcher (spawns nothing under torchrun/SLURM) + failure relay: see resilience.py
+        self._launcher = self.resilience.make_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -213,12 +212,16 @@ class FSDPCustomStrategy(ParallelStrategy):
         self._process_group_backend = self._process_group_backend or dist_utils.default_backend(self.root_device)
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type == "cuda" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        _init_dist_connection(  # `timeout` applies to every group once all ranks have joined (resilience.start)
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=self.resilience.rendezvous_timeout,
+            device_id=device_id,
         )
         self._device_mesh = dist_utils.build_device_mesh(self.mesh_shape, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # `configure_model` may use it
+        self.resilience.start(self._device_mesh)
 
     # -- precision -------------------------------------------------------------------------------------------------
     @property
@@ -271,6 +274,7 @@ class FSDPCustomStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self.resilience.attach(trainer)
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
@@ -290,7 +294,7 @@ class FSDPCustomStrategy(ParallelStrategy):
             offload_policy=CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy(),
             reshard_after_forward=self.reshard_after_forward,
         )
-        materialize_meta_module(model, torch.device("cpu") if self.cpu_offload else self.root_device)
+        materialize_meta_module(model, torch.device("cpu") if self.cpu_offload else self.root_device, self.device_mesh)
         if self.pretrained_weights is not None:
             from lightning_fsdp.checkpoint import load_pretrained
 
@@ -320,7 +324,8 @@ class FSDPCustomStrategy(ParallelStrategy):
         would otherwise call ``training_step`` directly and bypass it.
         """
         assert self.lightning_module is not None
-        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+        with self.resilience.named(f"{method} (FSDP parameter all-gathers in forward, or a collective in the step)"):
+            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -357,22 +362,59 @@ class FSDPCustomStrategy(ParallelStrategy):
         finally:
             self.model.set_requires_gradient_sync(True)
 
+    # -- failures, preemption, non-finite steps, uneven data: see lightning_fsdp/resilience.py ------------------------
+    @property
+    def resilience(self) -> Any:
+        if getattr(self, "_resilience", None) is None:
+            from lightning_fsdp.resilience import Resilience
+
+            self._resilience = Resilience(self._timeout, self.skip_nonfinite_steps, self.max_nonfinite_steps)
+        return self._resilience
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        return self.resilience.process_dataloader(dataloader, trainer, self.root_device)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        with self.resilience.named("backward (FSDP gradient reduce-scatter)"):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        has_scaler = getattr(self.precision_plugin, "scaler", None) is not None
+        closure = self.resilience.wrap_closure(closure, _unwrap(optimizer), trainer, has_scaler)
+        with self.resilience.named("optimizer_step (non-finite check, gradient clipping)"):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        self.resilience.gate("all_gather")
+        with self.resilience.named("all_gather"):
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
     # -- collectives ---------------------------------------------------------------------------------------------------
     @override
     def barrier(self, name: Optional[str] = None) -> None:
         if not _distributed_is_initialized():
             return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        self.resilience.gate(f"barrier({name!r})")
+        with self.resilience.named(f"barrier({name!r})"):
+            if torch.distributed.get_backend() == "nccl":
+                torch.distributed.barrier(device_ids=[self.root_device.index])
+            else:
+                torch.distributed.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
         holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        self.resilience.gate("broadcast")
+        with self.resilience.named(f"broadcast (from rank {src})"):
+            torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
         return holder[0]
 
     @override
@@ -380,7 +422,9 @@ class FSDPCustomStrategy(ParallelStrategy):
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Union[Tensor, Any]:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            self.resilience.gate("reduce")
+            with self.resilience.named(f"all_reduce ({reduce_op})"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
@@ -413,6 +457,7 @@ class FSDPCustomStrategy(ParallelStrategy):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         assert self.model is not None
+        self.resilience.gate("the checkpoint's model state (a collective)")
         return get_model_state_dict(self.model, options=self._state_dict_options())
 
     @override
@@ -464,6 +509,7 @@ class FSDPCustomStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+        self.resilience.teardown()
 
     @classmethod
     @override
