@@ -1,12 +1,24 @@
-"""How many bytes of parameters, gradients and optimizer state each rank really holds."""
+"""How many bytes of parameters, gradients and optimizer state each rank really holds, and its peak memory.
+
+:class:`MemoryReport` is the runtime side (a callback); :mod:`lightning_fsdp.planner` estimates the same numbers
+before a run.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, astuple, dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import nn
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 
 @dataclass(frozen=True)
@@ -61,3 +73,248 @@ def local_state_bytes(model: nn.Module, optimizers: Iterable[torch.optim.Optimiz
 def full_param_bytes(model: nn.Module) -> int:
     """Bytes of all parameters if they were unsharded (the global shape of each DTensor)."""
     return sum(p.numel() * p.element_size() for p in _unique(model.parameters()))
+
+
+def global_state_bytes(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> StateBytes:
+    """Bytes of the same state if nothing were sharded (global shapes): what one rank of DDP would hold."""
+    params = _unique(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    opt_tensors = [
+        v for opt in optimizers for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    ]
+    return StateBytes(
+        params=sum(p.numel() * p.element_size() for p in params),
+        grads=sum(g.numel() * g.element_size() for g in grads),
+        optimizer=sum(t.numel() * t.element_size() for t in opt_tensors if t.numel() > 1),
+    )
+
+
+# -- peak memory ---------------------------------------------------------------------------------------------------
+def current_rss() -> int:
+    """Resident set size of this process in bytes (``/proc`` on Linux, else psutil, else 0)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        return 0
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process in bytes (the kernel's high-water mark)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # bytes on macOS, KiB on Linux
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark to the current RSS (Linux ``clear_refs``); False where unsupported.
+
+    Without a reset, the peak of the whole process (imports, data loading) would hide the peak of training.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """Peak memory since :meth:`reset`: the CUDA caching allocator's ``max_memory_allocated`` on a GPU, the peak
+    resident set size above the RSS at reset on CPU."""
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.baseline = 0
+        self.peak_was_reset = False
+
+    @property
+    def kind(self) -> str:
+        return "cuda_max_allocated" if self.device.type == "cuda" else "rss_above_baseline"
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
+            self.peak_was_reset = True
+        else:
+            self.peak_was_reset = reset_peak_rss()
+            self.baseline = current_rss()
+
+    def peak(self) -> int:
+        """Bytes: CUDA peak allocated (absolute), or on CPU the peak RSS minus the RSS at :meth:`reset`."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return max(0, peak_rss() - self.baseline)
+
+
+# -- the runtime report --------------------------------------------------------------------------------------------
+RANK_FIELDS = ("params", "grads", "optimizer", "peak")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's row of the report."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    peak: int
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_memory_table(
+    rows: Sequence[RankMemory], unsharded: StateBytes, shard_size: int, peak_kind: str = "rss_above_baseline"
+) -> str:
+    """The per-rank table printed at the end of fit: local state per rank against the unsharded total and the
+    ideal ``total / shard_size``."""
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}.")
+    peak_name = "peak (CUDA allocated)" if peak_kind == "cuda_max_allocated" else "peak RSS above setup"
+    ideal_total = unsharded.total / shard_size
+    lines = [
+        f"| rank | params | grads | optimizer | state | state / ideal | {peak_name} |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio = f"{r.state / ideal_total:.3f}" if ideal_total else "-"
+        lines.append(
+            f"| {r.rank} | {_fmt_bytes(r.params)} | {_fmt_bytes(r.grads)} | {_fmt_bytes(r.optimizer)}"
+            f" | {_fmt_bytes(r.state)} | {ratio} | {_fmt_bytes(r.peak)} |"
+        )
+    lines.append(
+        f"| unsharded | {_fmt_bytes(unsharded.params)} | {_fmt_bytes(unsharded.grads)}"
+        f" | {_fmt_bytes(unsharded.optimizer)} | {_fmt_bytes(unsharded.total)} | | |"
+    )
+    lines.append(
+        f"| ideal / {shard_size} | {_fmt_bytes(unsharded.params / shard_size)} | {_fmt_bytes(unsharded.grads / shard_size)}"
+        f" | {_fmt_bytes(unsharded.optimizer / shard_size)} | {_fmt_bytes(ideal_total)} | 1.000 | |"
+    )
+    return "\n".join(lines)
+
+
+def shard_group_size(strategy: Any) -> int:
+    """Ranks the state is (ideally) divided over: the FSDP shard dimension, else the whole world."""
+    mesh_shape = getattr(strategy, "_mesh_shape", None) or getattr(strategy, "mesh_shape", None)
+    if mesh_shape is not None and hasattr(mesh_shape, "shard"):
+        return int(mesh_shape.shard)
+    return max(1, int(getattr(strategy, "world_size", 1)))
+
+
+class MemoryReport(Callback):
+    """Each rank's sharded bytes and peak memory: logged every epoch, printed as one per-rank table at the end of fit.
+
+    Local bytes come from ``strategy.state_bytes()`` where the strategy has it, else from :func:`local_state_bytes`.
+    Peak memory is the CUDA allocator's peak on GPU, and on CPU the peak RSS above the RSS at ``setup`` (before the
+    model is sharded, so it counts what training adds). After fit, :attr:`rows` and :attr:`unsharded` hold the
+    numbers of every rank (on every rank).
+
+    On CPU, glibc keeps freed heap memory resident, so RSS can exceed the live tensors by tens of percent; run with
+    ``MALLOC_MMAP_THRESHOLD_=65536`` for an RSS that follows live tensors like the CUDA allocator's counter does.
+
+    Args:
+        log: log ``memory/rank{r}/{params,grads,optimizer,peak}`` (bytes) at each training epoch end.
+        print_table: print the table on rank 0 at the end of fit.
+    """
+
+    def __init__(self, log: bool = True, print_table: bool = True) -> None:
+        super().__init__()
+        self.log_metrics = log
+        self.print_table = print_table
+        self.rows: list[RankMemory] = []
+        self.unsharded: Optional[StateBytes] = None
+        self.shard_size = 1
+        self.table = ""
+        self._tracker: Optional[PeakMemory] = None
+        self._state = StateBytes(0, 0, 0)
+        self._unsharded = StateBytes(0, 0, 0)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._tracker = PeakMemory(trainer.strategy.root_device)
+        self._tracker.reset()
+        self._state = StateBytes(0, 0, 0)
+        self._unsharded = StateBytes(0, 0, 0)
+
+    def _sample(self, trainer: pl.Trainer) -> None:
+        """Keep the largest state seen: gradients and optimizer state exist only after the first step."""
+        strategy = trainer.strategy
+        optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+        local = strategy.state_bytes() if callable(getattr(strategy, "state_bytes", None)) else None
+        module = trainer.lightning_module
+        if local is None:
+            local = local_state_bytes(module, optimizers)
+        full = global_state_bytes(module, optimizers)
+        self._state = StateBytes(*(max(a, b) for a, b in zip(astuple(self._state), astuple(local))))
+        self._unsharded = StateBytes(*(max(a, b) for a, b in zip(astuple(self._unsharded), astuple(full))))
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._tracker is not None and trainer.global_step <= 1:
+            self._sample(trainer)
+
+    def _gather(self, trainer: pl.Trainer) -> None:
+        """Collective: every rank contributes its row (all ranks must call this)."""
+        assert self._tracker is not None
+        local = [self._state.params, self._state.grads, self._state.optimizer, self._tracker.peak()]
+        mine = torch.tensor(local, dtype=torch.int64, device=trainer.strategy.root_device)
+        gathered = trainer.strategy.all_gather(mine).reshape(-1, len(RANK_FIELDS)).cpu().tolist()
+        self.rows = [RankMemory(rank, *map(int, values)) for rank, values in enumerate(gathered)]
+        self.unsharded = self._unsharded
+        self.shard_size = shard_group_size(trainer.strategy)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._tracker is None or not self.log_metrics:
+            return
+        self._sample(trainer)
+        self._gather(trainer)
+        metrics = {
+            f"memory/rank{row.rank}/{name}": float(getattr(row, name)) for row in self.rows for name in RANK_FIELDS
+        }
+        # every rank holds the same gathered numbers: write them once, straight to the loggers (no reduction needed)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._tracker is None:
+            return
+        self._sample(trainer)
+        self._gather(trainer)
+        assert self.unsharded is not None
+        self.table = format_memory_table(self.rows, self.unsharded, self.shard_size, self._tracker.kind)
+        if self.print_table and trainer.is_global_zero:
+            name = getattr(trainer.strategy, "strategy_name", type(trainer.strategy).__name__)
+            print(f"\nMemory per rank ({name}, {len(self.rows)} rank(s), state sharded over {self.shard_size}):")
+            print(self.table, flush=True)

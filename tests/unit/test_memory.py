@@ -1,0 +1,116 @@
+"""Byte counting, peak memory and the ``MemoryReport`` callback in one process (the multi-rank table is tested in
+``tests/distributed/test_memory_report.py``)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from lightning_fsdp.memory import (
+    MemoryReport,
+    PeakMemory,
+    RankMemory,
+    StateBytes,
+    format_memory_table,
+    full_param_bytes,
+    global_state_bytes,
+    local_state_bytes,
+    shard_group_size,
+    tensor_bytes,
+)
+from tests.helpers.models import TinyLM, loader
+
+
+def _stepped(optimizer_cls=torch.optim.AdamW, **kw):
+    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 2))
+    opt = optimizer_cls(model.parameters(), lr=0.1, **kw)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_local_and_global_bytes_of_an_unsharded_model():
+    model, opt = _stepped()
+    n = sum(p.numel() for p in model.parameters())
+    expected = StateBytes(params=4 * n, grads=4 * n, optimizer=8 * n)  # AdamW: exp_avg, exp_avg_sq (step is a scalar)
+    assert local_state_bytes(model, [opt]) == expected
+    assert global_state_bytes(model, [opt]) == expected
+    assert full_param_bytes(model) == 4 * n
+    assert expected.as_dict()["total"] == 16 * n
+    model_sgd, sgd = _stepped(torch.optim.SGD, momentum=0.9)
+    assert local_state_bytes(model_sgd, [sgd]).optimizer == 4 * n  # one momentum buffer
+
+
+def test_tied_parameters_are_counted_once():
+    model = TinyLM()
+    assert model.net.head.weight is model.net.emb.weight
+    assert full_param_bytes(model) == 4 * sum(p.numel() for p in model.parameters())
+    assert tensor_bytes(torch.zeros(3, 5, dtype=torch.bfloat16)) == 30
+
+
+def test_peak_memory_on_cpu_sees_a_real_allocation():
+    tracker = PeakMemory(torch.device("cpu"))
+    tracker.reset()
+    assert tracker.kind == "rss_above_baseline"
+    block = torch.ones(64 * 1024 * 1024, dtype=torch.uint8)  # pages are touched, so they are resident
+    peak = tracker.peak()
+    del block
+    assert peak >= 60 * 1024 * 1024
+    if tracker.peak_was_reset:  # Linux: the high-water mark restarts at reset
+        tracker.reset()
+        assert tracker.peak() < 32 * 1024 * 1024
+
+
+def test_table_compares_ranks_with_the_unsharded_total_and_the_ideal():
+    rows = [RankMemory(0, 400, 400, 800, 5 * 1024**2), RankMemory(1, 396, 396, 792, 5 * 1024**2)]
+    table = format_memory_table(rows, StateBytes(796, 796, 1592), 2)
+    lines = table.splitlines()
+    assert lines[0].startswith("| rank | params | grads | optimizer | state | state / ideal | peak RSS above setup |")
+    assert lines[2] == "| 0 | 400 B | 400 B | 800 B | 1.56 KiB | 1.005 | 5.00 MiB |"
+    assert lines[3].startswith("| 1 | 396 B | 396 B | 792 B | 1.55 KiB | 0.995 |")
+    assert lines[4].startswith("| unsharded | 796 B | 796 B | 1.55 KiB | 3.11 KiB |")
+    assert lines[5].startswith("| ideal / 2 | 398 B | 398 B | 796 B | 1.55 KiB | 1.000 |")
+    assert "peak (CUDA allocated)" in format_memory_table(rows, StateBytes(1, 1, 1), 1, "cuda_max_allocated")
+    with pytest.raises(ValueError, match="shard_size must be >= 1"):
+        format_memory_table(rows, StateBytes(1, 1, 1), 0)
+
+
+def test_shard_group_size_reads_the_mesh_or_the_world():
+    from lightning_fsdp import FSDPCustomStrategy
+    from lightning_fsdp.distributed import MeshShape
+
+    strategy = FSDPCustomStrategy()
+    strategy._mesh_shape = MeshShape(replicate=2, shard=3)
+    assert shard_group_size(strategy) == 3
+    assert shard_group_size(L.pytorch.strategies.SingleDeviceStrategy(torch.device("cpu"))) == 1
+
+
+def test_memory_report_in_a_single_process_trainer(tmp_path, capsys):
+    report = MemoryReport()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        logger=CSVLogger(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[report],
+        default_root_dir=tmp_path,
+    )
+    model = TinyLM(build_in_configure_model=True)
+    trainer.fit(model, loader(16, 4))
+    out = capsys.readouterr().out
+    assert out.count("Memory per rank (single_device, 1 rank(s), state sharded over 1)") == 1
+    [row] = report.rows
+    expected = local_state_bytes(model, trainer.optimizers)
+    assert (row.params, row.grads, row.optimizer) == (expected.params, expected.grads, expected.optimizer)
+    assert report.unsharded == expected
+    assert row.peak > 0
+    metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    assert "memory/rank0/params" in metrics and "memory/rank0/peak" in metrics
