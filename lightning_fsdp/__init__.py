@@ -3,8 +3,9 @@
 ``import lightning_fsdp`` registers ``fsdp_custom``, ``fsdp_custom_offload`` and ``fsdp_custom_hybrid``.
 """
 
+from lightning_fsdp.checkpoint import CheckpointError, consolidate_checkpoint, load_pretrained, verify_checkpoint
 from lightning_fsdp.distributed import MeshShape, resolve_mesh_shape
-from lightning_fsdp.memory import StateBytes, local_state_bytes
+from lightning_fsdp.memory import MemoryReport, StateBytes, local_state_bytes
 from lightning_fsdp.precision import FSDP2Precision
 from lightning_fsdp.registry import (
     StrategySpec,
@@ -12,24 +13,33 @@ from lightning_fsdp.registry import (
     load_discovered_strategies,
     register_strategies,
 )
+from lightning_fsdp.resilience import PREEMPTED_EXIT_CODE, SafeOnExceptionCheckpoint, preemption_requested
 from lightning_fsdp.strategy import FSDPCustomStrategy
 from lightning_fsdp.wrapping import find_repeated_block_classes, select_units
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "CheckpointError",
     "FSDP2Precision",
     "FSDPCustomStrategy",
+    "MemoryReport",
     "MeshShape",
+    "SafeOnExceptionCheckpoint",
     "StateBytes",
     "StrategySpec",
+    "consolidate_checkpoint",
     "discover_strategies",
     "find_repeated_block_classes",
     "load_discovered_strategies",
+    "load_pretrained",
     "local_state_bytes",
+    "preemption_requested",
     "register_strategies",
     "resolve_mesh_shape",
     "select_units",
+    "verify_checkpoint",
 ]
 
 register_strategies()
