@@ -296,7 +296,9 @@ def _distinct_shard_rng(mesh: DeviceMesh | None) -> Iterator[None]:
         yield
         return
     shard_index = mesh.get_local_rank(mesh.ndim - 1)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # DTensor warns on every random op on a CPU mesh; the per-shard seed below is what handles it
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         torch.manual_seed((torch.initial_seed() + 7919 * shard_index) % (2**63))
         yield
 
