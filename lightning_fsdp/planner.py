@@ -605,7 +605,7 @@ def spec_from_shapes(shapes: dict[str, tuple[int, ...]], name: str = "checkpoint
 
 
 def load_config(source: str) -> Any:
-    """A model config from a YAML path or ``group=option`` of the packaged Hydra configs (``model=gpt_small``)."""
+    """A model config from a YAML path or ``group=option`` of the packaged Hydra configs (``model=gpt_5m``)."""
     from omegaconf import OmegaConf
 
     path = Path(source)
@@ -614,7 +614,7 @@ def load_config(source: str) -> Any:
             raise FileNotFoundError(f"--config {source}: no such YAML file.")
         return OmegaConf.load(path)
     if "=" not in source:
-        raise ValueError(f"--config {source!r}: give a YAML path or a Hydra `group=option` such as model=gpt_small.")
+        raise ValueError(f"--config {source!r}: give a YAML path or a Hydra `group=option` such as model=gpt_5m.")
     from hydra import compose, initialize_config_module
 
     group, option = source.split("=", 1)
@@ -839,7 +839,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Each rank's expected memory for training a model with fsdp_custom (or ddp), before launching.",
     )
     src = p.add_argument_group("model (one of)")
-    src.add_argument("--config", help="Hydra model config: a YAML path or `group=option` (e.g. model=gpt_small)")
+    src.add_argument("--config", help="Hydra model config: a YAML path or `group=option` (e.g. model=gpt_5m)")
     src.add_argument("--checkpoint", help="a sharded checkpoint directory or a .ckpt/.pt/.safetensors file")
     src.add_argument("--layers", type=int, help="GPT: number of blocks")
     src.add_argument("--width", type=int, help="GPT: d_model")
