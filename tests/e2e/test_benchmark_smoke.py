@@ -1,0 +1,46 @@
+"""The benchmark harness runs end to end at tiny size: fresh processes per peer, a report with every ratio, plots.
+
+No timing is asserted: on a shared machine the numbers are noise at this size. What must hold is structural:
+every peer ran, the sharded peers hold half the state per rank at two ranks, the collective counter saw FSDP's
+all-gathers and reduce-scatters (and DDP's all-reduce), and the report and plots were written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.helpers.launch import REPO, run_python
+
+
+def test_quick_benchmark_writes_tables_and_plots(tmp_path):
+    out = tmp_path / "results"
+    proc = run_python([str(REPO / "benchmarks" / "run.py"), "--quick", "--out", str(out)], timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+    data = json.loads((out / "raw.json").read_text())
+    runs = {r["spec"]["peer"]: r for r in data["runs"]}
+    assert set(runs) == {"single", "fsdp_custom", "mp_fsdp2", "ddp"}
+    assert all(r["ok"] for r in runs.values()), [r.get("log_tail") for r in runs.values() if not r["ok"]]
+    assert data["meta"]["environment"]["torch"].split("+")[0] in sys.modules["torch"].__version__
+
+    for peer in ("fsdp_custom", "mp_fsdp2"):
+        run = runs[peer]
+        assert run["world"] == 2 and len(run["per_rank"]) == 2
+        state = max(r["params"] + r["grads"] + r["optimizer"] for r in run["per_rank"])
+        assert state <= 1.02 * run["unsharded"]["total"] / 2  # sharded: half the state per rank
+        comm = run["collective_bytes_per_step"]
+        assert comm["all_gather_single"] > 0 and comm["reduce_scatter_single"] == run["param_bytes"]
+        assert run["checkpoint"]["bytes"] > 0 and run["checkpoint"]["save_s"] > 0
+    ddp = runs["ddp"]
+    assert ddp["collective_bytes_per_step"]["all_reduce"] >= ddp["param_bytes"]  # one all-reduce of every gradient
+    assert all(r["peak"] > 0 for run in runs.values() for r in run["per_rank"])
+
+    report = (out / "RESULTS.md").read_text()
+    for text in ("## Headline", "## Targets", "## Checkpoint save and load", "## Memory planner against the measurements",
+                 "fsdp_custom", "ModelParallelStrategy + hand-written fully_shard", "DDP", "single process (reference)",
+                 "× MP", "× 3·params", "torch 2.13"):
+        assert text in report, text
+    assert "## Headline" not in (out / "headline.md").read_text()  # the bare table, for the project README
+    for image in ("memory_per_rank_vs_world.png", "step_time_vs_model_size.png"):
+        assert (out / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
