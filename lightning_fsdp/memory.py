@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, astuple, dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -56,18 +56,22 @@ def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def local_state_bytes(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> StateBytes:
-    """Local bytes of this rank's parameter shards, gradient shards and optimizer state."""
+def _state_bytes(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer], size: Callable[[torch.Tensor], int]) -> StateBytes:
     params = _unique(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     opt_tensors = [
         v for opt in optimizers for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)
     ]
     return StateBytes(
-        params=sum(tensor_bytes(p) for p in params),
-        grads=sum(tensor_bytes(g) for g in grads),
-        optimizer=sum(tensor_bytes(t) for t in opt_tensors if t.numel() > 1),
+        params=sum(size(p) for p in params),
+        grads=sum(size(g) for g in grads),
+        optimizer=sum(size(t) for t in opt_tensors if t.numel() > 1),  # not the scalar `step` counters
     )
+
+
+def local_state_bytes(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> StateBytes:
+    """Local bytes of this rank's parameter shards, gradient shards and optimizer state."""
+    return _state_bytes(model, optimizers, tensor_bytes)
 
 
 def full_param_bytes(model: nn.Module) -> int:
@@ -77,16 +81,7 @@ def full_param_bytes(model: nn.Module) -> int:
 
 def global_state_bytes(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> StateBytes:
     """Bytes of the same state if nothing were sharded (global shapes): what one rank of DDP would hold."""
-    params = _unique(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    opt_tensors = [
-        v for opt in optimizers for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)
-    ]
-    return StateBytes(
-        params=sum(p.numel() * p.element_size() for p in params),
-        grads=sum(g.numel() * g.element_size() for g in grads),
-        optimizer=sum(t.numel() * t.element_size() for t in opt_tensors if t.numel() > 1),
-    )
+    return _state_bytes(model, optimizers, lambda t: t.numel() * t.element_size())
 
 
 # -- peak memory ---------------------------------------------------------------------------------------------------

@@ -241,6 +241,19 @@ def _test_pause() -> None:
 
 def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[TensorPath, torch.Tensor]]:
     """Lightning's checkpoint → (plain ``meta.pt`` content, ``{path: tensor}`` of model and optimizer tensors)."""
+    meta, tensors = _plain_meta_and_tensors(checkpoint)
+    keys: dict[str, TensorPath] = {}
+    for path in tensors:
+        key = storage_key(path)
+        while key in keys:
+            key += "#"
+        keys[key] = path
+    meta[META_KEY] = {"format_version": META_FORMAT_VERSION, "tensors": keys}
+    return meta, tensors
+
+
+def _plain_meta_and_tensors(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[TensorPath, torch.Tensor]]:
+    """Model/optimizer tensors pulled out of their containers (skeletons stay), the rest made plain data."""
     meta: dict[str, Any] = {}
     tensors: dict[TensorPath, torch.Tensor] = {}
     for key, value in checkpoint.items():
@@ -250,15 +263,7 @@ def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dic
             tensors.update(found)
         else:
             meta[key] = value
-    meta = plain_checkpoint_meta(meta)
-    keys: dict[str, TensorPath] = {}
-    for path in tensors:
-        key = storage_key(path)
-        while key in keys:
-            key += "#"
-        keys[key] = path
-    meta[META_KEY] = {"format_version": META_FORMAT_VERSION, "tensors": keys}
-    return meta, tensors
+    return plain_checkpoint_meta(meta), tensors
 
 
 @dataclass
@@ -693,15 +698,7 @@ def _full_payload(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
             s if is_id_keyed(s) or not s.get("param_groups") else optimizer_state_to_ids(s)
             for s in ckpt["optimizer_states"]
         ]
-    meta, tensors = {}, {}
-    for key, value in ckpt.items():
-        if key in SHARDED_KEYS:
-            skeleton, found = extract_tensors(value, (key,))
-            meta[key] = skeleton
-            tensors.update(found)
-        else:
-            meta[key] = value
-    meta = plain_checkpoint_meta(meta)
+    meta, tensors = _plain_meta_and_tensors(ckpt)
     buffer = io.BytesIO()
     torch.save(meta, buffer)
     buffer.seek(0)
