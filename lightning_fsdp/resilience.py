@@ -289,6 +289,11 @@ class FailureGuard:
         self._active = False
         self._stop.set()
         self.disarm_deadline()
+        # join the watcher: a daemon thread still inside a C++ store call when the interpreter exits makes the
+        # runtime abort ("terminate called without an active exception")
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=POLL_INTERVAL_S + 5.0)
 
     # the watcher -----------------------------------------------------------------------------------------------------
     def _watch(self) -> None:
