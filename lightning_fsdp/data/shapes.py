@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_fsdp.data._loaders import train_loader, val_loader
+
 __all__ = ["SHAPES", "ShapesDataModule", "SyntheticShapes", "render_shape"]
 
 SHAPES = ("circle", "square", "triangle", "cross")
@@ -101,9 +103,8 @@ class ShapesDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup() first"
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return train_loader(self.train_set, self.batch_size, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None, "call setup() first"
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        return val_loader(self.val_set, self.batch_size, self.num_workers)
