@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 import lightning_fsdp  # noqa: E402,F401  (registers the strategy names)
+from lightning_fsdp.distributed import destroy_process_group_at_exit  # noqa: E402
 from lightning_fsdp.memory import MemoryReport, current_rss, global_state_bytes, local_state_bytes, peak_rss, reset_peak_rss  # noqa: E402
 from lightning_fsdp.models import GPTLightningModule  # noqa: E402
 
@@ -265,6 +266,9 @@ def run(spec: dict) -> None:
     threads = int(spec.get("threads", 1))
     torch.set_num_threads(threads)
     cuda = spec["device"] == "cuda"
+    # every peer, not only ours: Lightning's DDP and ModelParallel strategies leave a gloo group to the interpreter's
+    # finalisation, which can abort a run that succeeded
+    destroy_process_group_at_exit()
     L.seed_everything(spec["seed"], workers=True)
     strategy, model, callbacks = build(spec)
     timer = StepTimer(spec["warmup"], spec["steps"], cuda)

@@ -5,9 +5,10 @@ Everything here is a plain function of its arguments so it can be tested without
 
 from __future__ import annotations
 
+import atexit
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
 
 import torch
 
@@ -110,6 +111,35 @@ def as_timedelta(timeout: float | int | timedelta | None) -> timedelta:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"`timeout` must be a positive number of seconds or a timedelta, got {timeout!r}.")
     return timedelta(seconds=float(timeout))
+
+
+_exit_hook_registered = False
+_keep_at_exit: Optional[Callable[[], bool]] = None
+
+
+def destroy_process_group_at_exit(keep_if: Optional[Callable[[], bool]] = None) -> None:
+    """Destroy the default process group when the interpreter exits, while it is still fully alive.
+
+    Without this, gloo's worker threads may still own work (and the tensors it holds) when the interpreter
+    finalises; releasing them then aborts the process ("terminate called without an active exception", exit -6)
+    after a run that succeeded. Lightning registers such a hook for nccl only. ``keep_if`` vetoes the destroy,
+    e.g. while a failure is being handled: tearing a group down under peers still blocked in it could wait on them.
+    Registering twice keeps one hook; the latest ``keep_if`` wins.
+    """
+    global _exit_hook_registered, _keep_at_exit
+    _keep_at_exit = keep_if
+    if not _exit_hook_registered:
+        atexit.register(_destroy_at_exit)
+        _exit_hook_registered = True
+
+
+def _destroy_at_exit() -> None:
+    import torch.distributed as dist
+
+    if _keep_at_exit is not None and _keep_at_exit():
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def build_device_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:

@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 
 from lightning_fsdp.distributed import MeshShape, as_timedelta, data_parallel_rank, resolve_mesh_shape
@@ -56,3 +59,23 @@ def test_data_parallel_rank_is_replica_major():
             return 2
 
     assert data_parallel_rank(FakeMesh()) == 3
+
+
+_EXIT_PROBE = """
+import atexit, sys, tempfile, torch.distributed as dist
+from lightning_fsdp.distributed import destroy_process_group_at_exit
+# registered first, so it runs after the hook (atexit is last-in, first-out)
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+veto = sys.argv[1] == "veto"
+destroy_process_group_at_exit(keep_if=lambda: veto)
+destroy_process_group_at_exit(keep_if=lambda: veto)  # idempotent: still one hook
+"""
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("destroy", "False"), ("veto", "True")])
+def test_process_group_is_destroyed_at_exit_unless_vetoed(mode, expected):
+    """A gloo group left to the interpreter's finalisation can abort a successful run (exit -6)."""
+    proc = subprocess.run([sys.executable, "-c", _EXIT_PROBE, mode], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == f"initialized at exit: {expected}"
