@@ -101,13 +101,18 @@ def current_rss() -> int:
 
 
 def peak_rss() -> int:
-    """Peak resident set size of this process in bytes (the kernel's high-water mark)."""
+    """Peak resident set size of this process in bytes: the kernel's high-water mark, and never below the current RSS
+    (some kernels and sandboxes update the high-water mark lazily, or not after a ``clear_refs`` reset)."""
+    return max(_high_water_rss(), current_rss())
+
+
+def _high_water_rss() -> int:
     try:
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
     import resource
 
@@ -123,9 +128,10 @@ def reset_peak_rss() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        return True
     except OSError:
         return False
+    # some sandboxes accept the write and ignore it: report a reset only if the mark now sits at the current RSS
+    return _high_water_rss() <= current_rss() + 8 * 1024 * 1024
 
 
 class PeakMemory:
