@@ -6,6 +6,7 @@ Everything here is a plain function of its arguments so it can be tested without
 from __future__ import annotations
 
 import atexit
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
@@ -136,10 +137,12 @@ def destroy_process_group_at_exit(keep_if: Optional[Callable[[], bool]] = None) 
 def _destroy_at_exit() -> None:
     import torch.distributed as dist
 
-    if _keep_at_exit is not None and _keep_at_exit():
-        return
-    if dist.is_available() and dist.is_initialized():
+    try:
+        if (_keep_at_exit is not None and _keep_at_exit()) or not (dist.is_available() and dist.is_initialized()):
+            return
         dist.destroy_process_group()
+    except Exception as err:  # noqa: BLE001 - at exit, a second traceback would only bury the first
+        print(f"lightning_fsdp: could not destroy the process group at exit: {err}", file=sys.stderr)
 
 
 def build_device_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:

@@ -73,7 +73,6 @@ CHILD_FAIL_GRACE_S = 5.0  # rank 0's backstop when a spawned rank died without t
 REAP_WAIT_S = 15.0  # how long rank 0 waits for the ranks it spawned before killing them, after a failure
 
 _NOTE_ATTR = "_lightning_fsdp_note"
-_generation = 0  # one store namespace per Trainer stage; every rank runs the same sequence of stages
 
 
 # -- errors -----------------------------------------------------------------------------------------------------------
@@ -252,11 +251,9 @@ class FailureGuard:
     # lifecycle -------------------------------------------------------------------------------------------------------
     def start(self, rank: int, world_size: int) -> None:
         """Begin watching (after the process group exists). Without a reachable store, failures are not relayed."""
-        global _generation
         import torch.distributed as dist
 
         self._stop.set()  # a previous stage's watcher, if its teardown never ran
-        _generation += 1
         self.rank, self.world_size = rank, world_size
         self.handling, self._agreed = None, False
         if world_size < 2:
@@ -266,7 +263,10 @@ class FailureGuard:
         except (RuntimeError, AttributeError, ValueError):
             rank_zero_warn("lightning_fsdp: no rendezvous store found; a failing rank will not stop the others early.")
             return
-        self.store = dist.PrefixStore(f"lightning_fsdp/resilience/{_generation}/", base)
+        # the stage number comes from the store, not this process: it restarts with a new process group (where fresh
+        # ranks start counting at 1 too) and agrees across ranks however many stages this process ran before
+        stage = int(base.add(f"lightning_fsdp/resilience/stage/rank{rank}", 1))
+        self.store = dist.PrefixStore(f"lightning_fsdp/resilience/{stage}/", base)
         self._stop = threading.Event()
         self._active = True
         self._thread = threading.Thread(target=self._watch, name="lightning-fsdp-failure-watch", daemon=True)
@@ -786,6 +786,11 @@ class Resilience:
         self.preemption = Preemption(failing=lambda: self.guard.handling is not None)
         _PREEMPTION = self.preemption
         self.nonfinite = NonFiniteGuard(max_nonfinite_steps) if skip_nonfinite_steps else None
+
+    @property
+    def failing(self) -> bool:
+        """This rank is handling its own exception (collectives and group teardown could wait on peers)."""
+        return self.guard.handling is not None
 
     def make_launcher(
         self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int

@@ -218,7 +218,7 @@ class FSDPCustomStrategy(ParallelStrategy):
             timeout=self.resilience.rendezvous_timeout,
             device_id=device_id,
         )
-        dist_utils.destroy_process_group_at_exit(keep_if=lambda: self.resilience.handling is not None)
+        dist_utils.destroy_process_group_at_exit(keep_if=lambda: self.resilience.failing)
         self._device_mesh = dist_utils.build_device_mesh(self.mesh_shape, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # `configure_model` may use it

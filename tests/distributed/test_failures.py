@@ -45,6 +45,17 @@ def test_exception_on_one_rank_ends_every_rank(tmp_path, kind, rank, message):
     assert f"[rank {survivor}]" in job.output and f"rank {rank} failed" in job.output, job.output[-3000:]
 
 
+def test_exception_in_a_later_stage_ends_every_rank(tmp_path):
+    """``fit`` finished, then ``validate`` fails on rank 1: the relay works in every Trainer stage, not only the first."""
+    spec = {**BASE, "max_steps": 2, "validate_after": True, "limit_val_batches": 4,
+            "inject": {"kind": "raise_validate", "rank": 1, "step": 2}}
+    job = run_lightning(spec, tmp_path, "job")
+    assert_ended_promptly(job)
+    assert job.count(TRACEBACK) == 1, job.output[-6000:]
+    assert job.count("ValueError: injected failure in validation_step on rank 1") >= 1
+    assert "[rank 0]" in job.output and "rank 1 failed" in job.output, job.output[-3000:]
+
+
 def test_safe_on_exception_checkpoint_does_not_hang_when_one_rank_fails(tmp_path):
     """Lightning's OnExceptionCheckpoint would start a collective save on the failing rank alone and hang."""
     spec = {**BASE, "inject": {"kind": "raise_step", "rank": 1, "step": 2}, "on_exception_dir": str(tmp_path / "exc")}

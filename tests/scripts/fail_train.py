@@ -67,6 +67,11 @@ class Faulty(TinyLM):
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        if self._hit("raise_validate"):
+            raise ValueError(f"injected failure in validation_step on rank {_rank()}")
+        return super().validation_step(batch, batch_idx)
+
     def on_train_start(self):
         if self.inject.get("kind") == "uneven":
             _stamp(self.inject)  # the fault is in the data: count from the start of training
@@ -162,12 +167,14 @@ def main(spec: dict) -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        limit_val_batches=0,
+        limit_val_batches=spec.get("limit_val_batches", 0),
         callbacks=callbacks,
         default_root_dir=spec.get("root_dir", os.getcwd()),
     )
     model = Faulty(spec.get("inject", {}), **spec.get("model", {}))
     trainer.fit(model, build_loader(spec, model), ckpt_path=spec.get("ckpt_path"))
+    if spec.get("validate_after"):  # a second Trainer stage in the same processes
+        trainer.validate(model, build_loader(spec, model))
     if trainer.is_global_zero and spec.get("done"):
         Path(spec["done"]).write_text(json.dumps({"global_step": trainer.global_step}))
 
