@@ -6,7 +6,9 @@ Everything here is a plain function of its arguments so it can be tested without
 from __future__ import annotations
 
 import atexit
+import gc
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
@@ -115,6 +117,7 @@ def as_timedelta(timeout: float | int | timedelta | None) -> timedelta:
 
 
 _exit_hook_registered = False
+_GIL_HANDOVER_S = 0.05
 _keep_at_exit: Optional[Callable[[], bool]] = None
 
 
@@ -141,6 +144,12 @@ def _destroy_at_exit() -> None:
         if (_keep_at_exit is not None and _keep_at_exit()) or not (dist.is_available() and dist.is_initialized()):
             return
         dist.destroy_process_group()
+        # What still refers to a group (FSDP state, a device mesh: usually garbage cycles by now) keeps its backend
+        # alive past the destroy. Collect it while the interpreter can still run destructors, then give gloo's worker
+        # threads the GIL for a moment to drop the last work they ran: a thread that needs the GIL once the
+        # interpreter is finalising is what aborts the process.
+        gc.collect()
+        time.sleep(_GIL_HANDOVER_S)
     except Exception as err:  # noqa: BLE001 - at exit, a second traceback would only bury the first
         print(f"lightning_fsdp: could not destroy the process group at exit: {err}", file=sys.stderr)
 
