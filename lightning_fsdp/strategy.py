@@ -30,7 +30,7 @@ from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.strategies.strategy import TBroadcast, _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -44,6 +44,7 @@ from lightning_fsdp.precision import FSDP2Precision, MixedPrecisionArg
 from lightning_fsdp.wrapping import (
     WrapPolicy,
     apply_activation_checkpointing,
+    keep_root_gathered_after_nested_forward,
     materialize_meta_module,
     resolve_policy,
     shard_model,
@@ -115,6 +116,7 @@ class FSDPCustomStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        self._forward_redirection = _RootForwardRedirection()
         _validate_policy_form(auto_wrap_policy, "auto_wrap_policy")
         _validate_policy_form(activation_checkpointing_policy, "activation_checkpointing_policy")
         if state_dict_type not in ("sharded", "full"):
@@ -532,3 +534,12 @@ def _validate_policy_form(policy: WrapPolicy, arg_name: str) -> None:
         resolve_policy(policy, torch.nn.Module(), arg_name=arg_name)
     if isinstance(policy, int) and not isinstance(policy, bool) and policy < 1:
         resolve_policy(policy, torch.nn.Module(), arg_name=arg_name)
+
+
+class _RootForwardRedirection(_ForwardRedirection):
+    """Lightning's step redirection through the root's ``__call__``, without the second all-gather of the root's
+    parameters that a ``self(x)`` inside the step would otherwise cost (see ``keep_root_gathered_after_nested_forward``)."""
+
+    @override
+    def on_after_inner_forward(self, wrapper_module: torch.nn.Module, original_module: pl.LightningModule) -> None:
+        keep_root_gathered_after_nested_forward(wrapper_module)

@@ -246,6 +246,35 @@ def shard_model(
     return names + [""]
 
 
+def keep_root_gathered_after_nested_forward(root: nn.Module) -> None:
+    """Call inside the root's forward, after a nested ``root(...)`` call has returned: keeps FSDP2 from resharding
+    the root's parameters when the outer forward ends.
+
+    Steps run through the root's ``__call__`` (so its hooks fire even when ``training_step`` never calls
+    ``self(...)``); a ``training_step`` that does call ``self(x)`` nests a second root forward inside it. The nested
+    call's post-forward marks the root's parameter group idle, and the outer post-forward then reshards an idle group
+    unconditionally, although the root is built with ``reshard_after_forward=False``: backward would all-gather the
+    root's parameters (embeddings, head) a second time in every step. Marking the still-gathered group as in forward
+    again lets the outer post-forward honour the root's setting. A no-op on layouts of FSDP2 it does not recognise.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(root, FSDPModule):
+        return
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        state = root._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch < 2.10: at most one group per module
+            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+        for group in groups:
+            if group._training_state == TrainingState.IDLE and group.is_unsharded and not group._reshard_after_forward:
+                group._training_state = TrainingState.FORWARD
+    except (ImportError, AttributeError):
+        return
+
+
 def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.is_meta for t in _params_and_buffers(model))
 

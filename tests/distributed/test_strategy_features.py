@@ -61,6 +61,15 @@ def test_meta_init_never_materialises_the_full_model(tmp_path, mode, eager_repor
         assert torch.isfinite(torch.tensor(m["final_loss"]))
 
 
+def test_root_is_gathered_once_per_step_when_the_step_calls_self(tmp_path):
+    """TinyLM's training_step calls ``self(x)`` inside the redirected root forward. Each of the 3 blocks is gathered
+    for forward and again for backward; the root (embeddings, head), kept gathered after forward, only once:
+    the count a hand-written ``fully_shard`` per block and root gives."""
+    result = _sharded(tmp_path, 2, steps=4, count_all_gathers_at=2)
+    assert result["wrapped_units"] == ["net.layers.0", "net.layers.1", "net.layers.2", ""]
+    assert result["all_gathers_in_step"] == 2 * 3 + 1
+
+
 def test_bf16_mixed_keeps_fp32_master_weights(tmp_path):
     reports = _features(tmp_path, "eager", precision="bf16-mixed")
     for r in reports:

@@ -32,6 +32,34 @@ class RecordLosses(Callback):
         self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
 
 
+class CountAllGathers(Callback):
+    """Counts the all-gathers (FSDP2's parameter gathers) issued during the training step with index ``at``."""
+
+    NAMES = ("all_gather_single", "all_gather_into_tensor")
+
+    def __init__(self, at: int) -> None:
+        import torch.distributed as dist
+
+        self.at, self.count, self.active = at, 0, False
+        for name in self.NAMES:
+            original = getattr(dist, name, None)
+            if original is not None:
+                setattr(dist, name, self._counted(original))
+
+    def _counted(self, original):
+        def counted(*args, **kwargs):
+            self.count += self.active
+            return original(*args, **kwargs)
+
+        return counted
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.active = batch_idx == self.at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.active = False
+
+
 def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """Gathered full parameters (a collective on sharded strategies)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -57,6 +85,9 @@ def main(spec: dict) -> None:
     empty_init = spec.get("empty_init", False)
     recorder = RecordLosses()
     callbacks: list[Callback] = [recorder]
+    counter = CountAllGathers(at=spec["count_all_gathers_at"]) if "count_all_gathers_at" in spec else None
+    if counter is not None:
+        callbacks.append(counter)
     if spec.get("checkpoint_dir"):
         callbacks.append(ModelCheckpoint(dirpath=spec["checkpoint_dir"], save_last=True, **spec.get("checkpoint_kwargs", {})))
     trainer = L.Trainer(
@@ -88,6 +119,8 @@ def main(spec: dict) -> None:
         trainer.save_checkpoint(spec["save_path"])
     params = full_params(trainer)
     result = {"losses": recorder.losses, "global_step": trainer.global_step, "world_size": trainer.world_size}
+    if counter is not None:
+        result["all_gathers_in_step"] = counter.count
     if hasattr(trainer.strategy, "state_bytes"):
         sb = trainer.strategy.state_bytes().as_dict()
         gathered = trainer.strategy.all_gather(torch.tensor([sb["params"], sb["grads"], sb["optimizer"]]))
