@@ -137,19 +137,27 @@ def destroy_process_group_at_exit(keep_if: Optional[Callable[[], bool]] = None) 
         _exit_hook_registered = True
 
 
-def _destroy_at_exit() -> None:
+def release_process_group() -> None:
+    """Destroy the default process group (if any), then let gloo's worker threads drop their last work.
+
+    What still refers to a group (FSDP state, a device mesh: usually garbage cycles by then) keeps its backend alive
+    past the destroy. Collecting it runs the destructors while the interpreter can still run them; sleeping briefly
+    hands the GIL to worker threads waiting to release the tensors of the last collective. A thread that needs the
+    GIL once the interpreter is finalising is what aborts the process.
+    """
     import torch.distributed as dist
 
-    try:
-        if (_keep_at_exit is not None and _keep_at_exit()) or not (dist.is_available() and dist.is_initialized()):
-            return
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-        # What still refers to a group (FSDP state, a device mesh: usually garbage cycles by now) keeps its backend
-        # alive past the destroy. Collect it while the interpreter can still run destructors, then give gloo's worker
-        # threads the GIL for a moment to drop the last work they ran: a thread that needs the GIL once the
-        # interpreter is finalising is what aborts the process.
-        gc.collect()
-        time.sleep(_GIL_HANDOVER_S)
+    gc.collect()
+    time.sleep(_GIL_HANDOVER_S)
+
+
+def _destroy_at_exit() -> None:
+    try:
+        if _keep_at_exit is not None and _keep_at_exit():
+            return
+        release_process_group()  # also when the script destroyed the group itself: its workers may still hold work
     except Exception as err:  # noqa: BLE001 - at exit, a second traceback would only bury the first
         print(f"lightning_fsdp: could not destroy the process group at exit: {err}", file=sys.stderr)
 

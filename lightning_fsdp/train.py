@@ -294,13 +294,6 @@ def _wait_for_ranks(trainer: Any, timeout: float = 300.0) -> None:
         raise RuntimeError(f"Rank(s) started by this process failed (local rank, exit code): {failed}.")
 
 
-def _destroy_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 # -- processes: who composes the config -------------------------------------------------------------------------------
 def external_global_rank(env: Mapping[str, str] = os.environ) -> int:
     """The global rank an external launcher gave this process (torchrun ``RANK``, srun ``SLURM_PROCID``, or a
@@ -334,7 +327,9 @@ def _run_as_launcher(cfg: DictConfig, command_argv: list[str], *, is_launcher: b
     try:
         return run(cfg, is_launcher=is_launcher)
     finally:
-        _destroy_process_group()
+        from lightning_fsdp.distributed import release_process_group
+
+        release_process_group()
         # the launcher sets LOCAL_RANK/WORLD_SIZE/MASTER_PORT here; a next multirun job must start from scratch
         for key in set(os.environ) - set(saved_env):
             del os.environ[key]
