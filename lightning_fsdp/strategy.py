@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -220,7 +221,8 @@ class FSDPCustomStrategy(ParallelStrategy):
             timeout=self.resilience.rendezvous_timeout,
             device_id=device_id,
         )
-        dist_utils.destroy_process_group_at_exit(keep_if=lambda: self.resilience.failing)
+        strategy = weakref.ref(self)  # the hook must not keep the model (and its process groups) alive until exit
+        dist_utils.destroy_process_group_at_exit(keep_if=lambda: (s := strategy()) is not None and s.resilience.failing)
         self._device_mesh = dist_utils.build_device_mesh(self.mesh_shape, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # `configure_model` may use it
