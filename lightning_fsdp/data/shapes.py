@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from lightning_fsdp.data._loaders import train_loader, val_loader
+from lightning_fsdp.data._loaders import SplitDataModule
 
 __all__ = ["SHAPES", "ShapesDataModule", "SyntheticShapes", "render_shape"]
 
@@ -66,7 +65,7 @@ class SyntheticShapes(Dataset):
         return image[None], torch.tensor(label)
 
 
-class ShapesDataModule(L.LightningDataModule):
+class ShapesDataModule(SplitDataModule):
     """Train/validation sets of :class:`SyntheticShapes` with different seeds (no example is shared).
 
     Args:
@@ -94,17 +93,8 @@ class ShapesDataModule(L.LightningDataModule):
         super().__init__()
         self.num_train, self.num_val, self.image_size, self.noise = num_train, num_val, image_size, noise
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
-        self.train_set: Optional[SyntheticShapes] = None
-        self.val_set: Optional[SyntheticShapes] = None
 
     def setup(self, stage: Optional[str] = None) -> None:
         self.train_set = SyntheticShapes(self.num_train, self.image_size, self.noise, self.seed)
         self.val_set = SyntheticShapes(self.num_val, self.image_size, self.noise, self.seed + 1)
 
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None, "call setup() first"
-        return train_loader(self.train_set, self.batch_size, self.num_workers)
-
-    def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None, "call setup() first"
-        return val_loader(self.val_set, self.batch_size, self.num_workers)

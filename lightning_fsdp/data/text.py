@@ -18,12 +18,11 @@ import warnings
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from lightning_fsdp.data._loaders import train_loader, val_loader
+from lightning_fsdp.data._loaders import SplitDataModule
 
 __all__ = [
     "VOCAB_SIZE",
@@ -133,7 +132,7 @@ class TokenWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-class TextCorpusDataModule(L.LightningDataModule):
+class TextCorpusDataModule(SplitDataModule):
     """Byte-level LM data from :func:`build_corpus`, split into train (head) and validation (tail).
 
     Args:
@@ -167,8 +166,6 @@ class TextCorpusDataModule(L.LightningDataModule):
         self.corpus, self.seq_len, self.batch_size = corpus, seq_len, batch_size
         self.max_bytes, self.val_fraction, self.num_workers = max_bytes, val_fraction, num_workers
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
-        self.train_set: Optional[TokenWindows] = None
-        self.val_set: Optional[TokenWindows] = None
 
     @property
     def cache_file(self) -> Optional[Path]:
@@ -202,14 +199,6 @@ class TextCorpusDataModule(L.LightningDataModule):
         split = int(tokens.numel() * (1.0 - self.val_fraction))
         self.train_set = TokenWindows(tokens[:split], self.seq_len)
         self.val_set = TokenWindows(tokens[split:], self.seq_len)
-
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None, "call setup() first"
-        return train_loader(self.train_set, self.batch_size, self.num_workers)
-
-    def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None, "call setup() first"
-        return val_loader(self.val_set, self.batch_size, self.num_workers)
 
     # the trained model's sample is printed through these
     encode = staticmethod(encode)
