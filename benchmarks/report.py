@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning_fsdp.formatting import MiB, format_mib  # noqa: E402
+
 PEER_LABELS = {
     "single": "single process (reference)",
     "fsdp_custom": "fsdp_custom",
@@ -35,7 +37,6 @@ PEER_STYLE = {
     "fsdp_custom": ("o", "-", 9), "fsdp_custom_offload": ("s", "--", 6), "mp_fsdp2": ("^", ":", 6),
     "fsdp1": ("v", "-.", 6), "ddp": ("D", "-", 5), "single": ("x", "-", 6),
 }
-MiB = 1024**2
 GB = 1e9
 
 #: dense bf16 TFLOP/s per device, for MFU (override with --peak-tflops)
@@ -141,10 +142,6 @@ def _x(value: Optional[float], digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}×"
 
 
-def _mib(n: Optional[float]) -> str:
-    return "–" if n is None else f"{n / MiB:,.1f}"
-
-
 def mfu(d: dict[str, Any], meta: dict[str, Any], dims: dict[str, int]) -> Optional[float]:
     """Model FLOPs utilisation on GPU: (6·N + causal attention) × tokens/s over the world's peak."""
     if meta["settings"]["device"] != "cuda" or not d["tokens_per_s"]:
@@ -237,8 +234,8 @@ def headline_table(table: dict, meta: dict[str, Any], runs_by_model: dict[str, d
                 model, str(key[1]), PEER_LABELS[peer], f"{d['step_s']:.3f}",
                 _x(_ratio(d["step_s"], mp and mp["step_s"])),
                 f"{d['tokens_per_s']:,.0f}", _x(_ratio(d["tokens_per_s"], single and single["tokens_per_s"])),
-                _mib(d["state_max"]), _x(d["state_ratio"], 3),
-                _mib(d["peak_max"]), _x(_ratio(d["peak_max"], mp and mp["peak_max"])),
+                format_mib(d["state_max"]), _x(d["state_ratio"], 3),
+                format_mib(d["peak_max"]), _x(_ratio(d["peak_max"], mp and mp["peak_max"])),
                 f"{d['comm_bytes'] / MiB:,.1f} MiB", _x(d["comm_ratio"]) if d["comm_bytes"] else "–",
             ]
             if gpu:
@@ -263,7 +260,7 @@ def full_table(table: dict) -> list[str]:
                 lines.append("| " + " | ".join([
                     model, f"{d['numel'] / 1e6:.1f}M", str(world), PEER_LABELS[peer], str(d["repeats"]), f"{d['step_s']:.3f}",
                     _x(_ratio(d["step_s"], mp and mp["step_s"])), f"{d['tokens_per_s']:,.0f}",
-                    _mib(d["state_max"]), _x(d["state_ratio"], 3), peaks,
+                    format_mib(d["state_max"]), _x(d["state_ratio"], 3), peaks,
                     _x(_ratio(d["peak_max"], mp and mp["peak_max"])),
                     _x(d["comm_ratio"]) if d["comm_bytes"] else "–",
                 ]) + " |")
@@ -380,8 +377,8 @@ def planner_section(runs: list[dict[str, Any]]) -> tuple[list[str], dict[str, An
         "|---|---|---|---|---|---|",
     ]
     for c in checks:
-        lines.append(f"| {c['name']} | {_mib(c['planned_state'])} | {_mib(c['measured_state'])} | {_mib(c['planned_peak'])}"
-                     f" | {_mib(c['measured_peak'])} | {c['peak_ratio']:.2f} |")
+        lines.append(f"| {c['name']} | {format_mib(c['planned_state'])} | {format_mib(c['measured_state'])} | {format_mib(c['planned_peak'])}"
+                     f" | {format_mib(c['measured_peak'])} | {c['peak_ratio']:.2f} |")
     return lines, summary
 
 

@@ -20,7 +20,6 @@ Peers (``spec["peer"]``), all training the package's GPT on the same data, seed 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 import lightning_fsdp  # noqa: E402,F401  (registers the strategy names)
-from lightning_fsdp.distributed import destroy_process_group_at_exit  # noqa: E402
+from lightning_fsdp.parallel.process_group import destroy_process_group_at_exit  # noqa: E402
 from lightning_fsdp.memory import MemoryReport, current_rss, global_state_bytes, local_state_bytes, peak_rss, reset_peak_rss  # noqa: E402
 from lightning_fsdp.models import GPTLightningModule  # noqa: E402
 

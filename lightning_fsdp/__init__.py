@@ -3,9 +3,10 @@
 ``import lightning_fsdp`` registers ``fsdp_custom``, ``fsdp_custom_offload`` and ``fsdp_custom_hybrid``.
 """
 
+from lightning_fsdp._version import __version__
 from lightning_fsdp.checkpoint import CheckpointError, consolidate_checkpoint, load_pretrained, verify_checkpoint
-from lightning_fsdp.distributed import MeshShape, resolve_mesh_shape
 from lightning_fsdp.memory import MemoryReport, StateBytes, local_state_bytes
+from lightning_fsdp.parallel import MeshShape, resolve_mesh_shape
 from lightning_fsdp.precision import FSDP2Precision
 from lightning_fsdp.registry import (
     StrategySpec,
@@ -14,12 +15,11 @@ from lightning_fsdp.registry import (
     register_strategies,
 )
 from lightning_fsdp.resilience import PREEMPTED_EXIT_CODE, SafeOnExceptionCheckpoint, preemption_requested
+from lightning_fsdp.sharding import find_repeated_block_classes, select_units
 from lightning_fsdp.strategy import FSDPCustomStrategy
-from lightning_fsdp.wrapping import find_repeated_block_classes, select_units
-
-__version__ = "0.1.0"
 
 __all__ = [
+    "__version__",
     "PREEMPTED_EXIT_CODE",
     "CheckpointError",
     "FSDP2Precision",

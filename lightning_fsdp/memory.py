@@ -17,6 +17,9 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from typing_extensions import override
 
+from lightning_fsdp._torch_compat import unwrap_optimizer
+from lightning_fsdp.formatting import format_bytes
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -184,13 +187,6 @@ class RankMemory:
         return self.params + self.grads + self.optimizer
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def format_memory_table(
     rows: Sequence[RankMemory], unsharded: StateBytes, shard_size: int, peak_kind: str = "rss_above_baseline"
 ) -> str:
@@ -207,16 +203,16 @@ def format_memory_table(
     for r in rows:
         ratio = f"{r.state / ideal_total:.3f}" if ideal_total else "-"
         lines.append(
-            f"| {r.rank} | {_fmt_bytes(r.params)} | {_fmt_bytes(r.grads)} | {_fmt_bytes(r.optimizer)}"
-            f" | {_fmt_bytes(r.state)} | {ratio} | {_fmt_bytes(r.peak)} |"
+            f"| {r.rank} | {format_bytes(r.params)} | {format_bytes(r.grads)} | {format_bytes(r.optimizer)}"
+            f" | {format_bytes(r.state)} | {ratio} | {format_bytes(r.peak)} |"
         )
     lines.append(
-        f"| unsharded | {_fmt_bytes(unsharded.params)} | {_fmt_bytes(unsharded.grads)}"
-        f" | {_fmt_bytes(unsharded.optimizer)} | {_fmt_bytes(unsharded.total)} | | |"
+        f"| unsharded | {format_bytes(unsharded.params)} | {format_bytes(unsharded.grads)}"
+        f" | {format_bytes(unsharded.optimizer)} | {format_bytes(unsharded.total)} | | |"
     )
     lines.append(
-        f"| ideal / {shard_size} | {_fmt_bytes(unsharded.params / shard_size)} | {_fmt_bytes(unsharded.grads / shard_size)}"
-        f" | {_fmt_bytes(unsharded.optimizer / shard_size)} | {_fmt_bytes(ideal_total)} | 1.000 | |"
+        f"| ideal / {shard_size} | {format_bytes(unsharded.params / shard_size)} | {format_bytes(unsharded.grads / shard_size)}"
+        f" | {format_bytes(unsharded.optimizer / shard_size)} | {format_bytes(ideal_total)} | 1.000 | |"
     )
     return "\n".join(lines)
 
@@ -269,7 +265,7 @@ class MemoryReport(Callback):
     def _sample(self, trainer: pl.Trainer) -> None:
         """Keep the largest state seen: gradients and optimizer state exist only after the first step."""
         strategy = trainer.strategy
-        optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+        optimizers = [unwrap_optimizer(o) for o in strategy.optimizers]
         local = strategy.state_bytes() if callable(getattr(strategy, "state_bytes", None)) else None
         module = trainer.lightning_module
         if local is None:

@@ -1,22 +1,71 @@
-"""Lightning's ``precision=`` flag mapped onto FSDP2's ``MixedPrecisionPolicy``, plus sharded gradient clipping.
+"""Lightning's ``precision=`` flag mapped onto FSDP2's ``MixedPrecisionPolicy``, loss scaling, and sharded clipping.
 
 FSDP2 does mixed precision itself: it keeps the sharded parameters (the optimizer's "master weights") in fp32,
 all-gathers them cast to ``param_dtype`` and reduces gradients in ``reduce_dtype``. Lightning's generic plugin
 would only add autocast on top of fp32 all-gathers (twice the communication), so the strategy brings this one.
+
+:data:`PRECISIONS` is the one table of what each precision stores and computes in; the memory planner reads its
+byte sizes from it too.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Generator, Iterable
+from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Optional, Union
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
+
+from lightning_fsdp.parallel.grad_norm import StepGradNorm, clip_grad_norm_
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    """What one precision flag means for a sharded model.
+
+    ``param_dtype``/``reduce_dtype`` go into FSDP2's policy (``None``: the stored dtype); ``storage_dtype`` is the
+    dtype of the sharded parameters, gradients and optimizer state.
+    """
+
+    param_dtype: Optional[torch.dtype]
+    reduce_dtype: Optional[torch.dtype]
+    storage_dtype: torch.dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.param_dtype or self.storage_dtype
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes per element of the sharded state (parameters, gradients, optimizer state)."""
+        return self.storage_dtype.itemsize
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of gathered parameters and activations."""
+        return self.compute_dtype.itemsize
+
+
+PRECISIONS: dict[str, PrecisionSpec] = {
+    "32-true": PrecisionSpec(None, None, torch.float32),
+    "64-true": PrecisionSpec(None, None, torch.float64),
+    "bf16-mixed": PrecisionSpec(torch.bfloat16, torch.float32, torch.float32),
+    "16-mixed": PrecisionSpec(torch.float16, torch.float32, torch.float32),
+    "bf16-true": PrecisionSpec(None, None, torch.bfloat16),
+    "16-true": PrecisionSpec(None, None, torch.float16),
+}
+#: Lightning's short forms
+ALIASES: dict[Any, str] = {"32": "32-true", 32: "32-true", "64": "64-true", 64: "64-true", "bf16": "bf16-mixed",
+                           "16": "16-mixed", 16: "16-mixed"}
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "32": torch.float32,
@@ -24,42 +73,32 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "16": torch.float16,
     "float64": torch.float64, "fp64": torch.float64,
 }
+#: the plugins Lightning builds for ``Trainer(precision=...)``; the strategy replaces them with its own
+_LIGHTNING_GENERIC_PLUGINS = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
 
-#: Lightning precision string → (param_dtype for compute, reduce_dtype, dtype of the stored sharded params)
-_PRECISIONS: dict[str, tuple[Optional[torch.dtype], Optional[torch.dtype], torch.dtype]] = {
-    "32-true": (None, None, torch.float32),
-    "64-true": (None, None, torch.float64),
-    "bf16-mixed": (torch.bfloat16, torch.float32, torch.float32),
-    "16-mixed": (torch.float16, torch.float32, torch.float32),
-    "bf16-true": (None, None, torch.bfloat16),
-    "16-true": (None, None, torch.float16),
-}
-_ALIASES = {"32": "32-true", 32: "32-true", "64": "64-true", 64: "64-true", "bf16": "bf16-mixed",
-            "16": "16-mixed", 16: "16-mixed", "transformer-engine": None}
-
-MixedPrecisionArg = Union["torch.distributed.fsdp.MixedPrecisionPolicy", dict[str, Any], None]
+MixedPrecisionArg = Union["MixedPrecisionPolicy", dict[str, Any], None]
 
 
 def normalize_precision(precision: Any) -> str:
     """Lightning's aliases ("bf16", 16, ...) to the canonical string, or a ValueError listing the choices."""
-    value = _ALIASES.get(precision, precision) if not isinstance(precision, bool) else None
-    if value not in _PRECISIONS:
+    value = None if isinstance(precision, bool) else ALIASES.get(precision, precision)
+    if not isinstance(value, str) or value not in PRECISIONS:
         raise ValueError(
-            f"precision={precision!r} is not supported by the fsdp_custom strategies."
-            f" Choose one of {sorted(_PRECISIONS)}."
+            f"precision={precision!r} is not supported by the fsdp_custom strategies. Choose one of {sorted(PRECISIONS)}."
         )
-    return value  # type: ignore[return-value]
+    return value
 
 
-def _as_dtype(value: Any, key: str) -> Optional[torch.dtype]:
+def parse_dtype(value: Any, what: str = "dtype") -> Optional[torch.dtype]:
+    """``"bfloat16"``, ``"torch.float32"``, ``"bf16"`` or a ``torch.dtype`` (or None) → the dtype."""
     if value is None or isinstance(value, torch.dtype):
         return value
     if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
         return _DTYPES[value.removeprefix("torch.")]
-    raise ValueError(f"mixed_precision.{key}={value!r} is not a dtype; use e.g. 'bfloat16', 'float32'.")
+    raise ValueError(f"{what}={value!r} is not a dtype; use e.g. 'bfloat16', 'float32'.")
 
 
-def mixed_precision_policy(precision: str, override_policy: MixedPrecisionArg = None):
+def mixed_precision_policy(precision: str, override_policy: MixedPrecisionArg = None) -> MixedPrecisionPolicy:
     """The FSDP2 policy for a precision string; ``override_policy`` (a policy or a dict of its fields) wins."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -68,16 +107,20 @@ def mixed_precision_policy(precision: str, override_policy: MixedPrecisionArg = 
     if override_policy is not None:
         if not isinstance(override_policy, dict):
             raise TypeError(
-                f"`mixed_precision` must be a MixedPrecisionPolicy or a dict of its fields, got {type(override_policy).__name__}."
+                "`mixed_precision` must be a MixedPrecisionPolicy or a dict of its fields, got"
+                f" {type(override_policy).__name__}."
             )
         allowed = {"param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"}
         unknown = set(override_policy) - allowed
         if unknown:
             raise ValueError(f"Unknown `mixed_precision` keys {sorted(unknown)}; allowed: {sorted(allowed)}.")
-        kwargs = {k: (_as_dtype(v, k) if k != "cast_forward_inputs" else bool(v)) for k, v in override_policy.items()}
+        kwargs = {
+            k: (parse_dtype(v, f"mixed_precision.{k}") if k != "cast_forward_inputs" else bool(v))
+            for k, v in override_policy.items()
+        }
         return MixedPrecisionPolicy(**kwargs)
-    param_dtype, reduce_dtype, _ = _PRECISIONS[normalize_precision(precision)]
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    spec = PRECISIONS[normalize_precision(precision)]
+    return MixedPrecisionPolicy(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
 
 
 class FSDP2Precision(Precision):
@@ -92,7 +135,7 @@ class FSDP2Precision(Precision):
     def __init__(self, precision: Any = "32-true", mixed_precision: MixedPrecisionArg = None, scaler: Any = None) -> None:
         self.precision = normalize_precision(precision)  # type: ignore[assignment]
         self.mixed_precision = mixed_precision
-        _, _, self._storage_dtype = _PRECISIONS[self.precision]
+        self.spec = PRECISIONS[self.precision]
         if scaler is None and self.precision == "16-mixed":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -101,32 +144,45 @@ class FSDP2Precision(Precision):
             raise ValueError(f"precision={self.precision!r} does not use a gradient scaler; remove `scaler`.")
         self.scaler = scaler
         self.device_type = "cpu"
+        #: shared with the non-finite step check, so a clipped step computes one norm (set by the strategy)
+        self.grad_norm = StepGradNorm()
 
-    @property
-    def mp_policy(self):
+    @classmethod
+    def adopt(cls, plugin: Optional[Precision], mixed_precision: MixedPrecisionArg, owner: str) -> Optional[FSDP2Precision]:
+        """The plugin for Lightning's generic one (what ``Trainer(precision=...)`` builds), or a clear TypeError."""
+        if plugin is None or isinstance(plugin, FSDP2Precision):
+            return plugin
+        if type(plugin) not in _LIGHTNING_GENERIC_PLUGINS:
+            raise TypeError(
+                f"{owner} does not support the precision plugin {type(plugin).__name__}. Use Trainer(precision=...)"
+                f" with one of {sorted(PRECISIONS)}, or pass lightning_fsdp.FSDP2Precision(...) as the plugin."
+            )
+        return cls(getattr(plugin, "precision", "32-true"), mixed_precision=mixed_precision)
+
+    @cached_property
+    def mp_policy(self) -> MixedPrecisionPolicy:
         return mixed_precision_policy(self.precision, self.mixed_precision)
 
     @property
     def is_mixed(self) -> bool:
         return self.precision.endswith("-mixed")
 
-    @property
+    @cached_property
     def compute_dtype(self) -> torch.dtype:
-        policy = self.mp_policy
-        return policy.param_dtype or self._storage_dtype
+        return self.mp_policy.param_dtype or self.spec.storage_dtype
+
+    @property
+    def _converts_storage(self) -> bool:
+        return self.precision.endswith("-true") and self.spec.storage_dtype != torch.float32
 
     # -- module and tensor dtypes --------------------------------------------------------------------------------
     @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        if self.precision.endswith("-true") and self._storage_dtype != torch.float32:
-            return module.to(dtype=self._storage_dtype)
-        return module
+        return module.to(dtype=self.spec.storage_dtype) if self._converts_storage else module
 
     @override
     def tensor_init_context(self):
-        if self.precision.endswith("-true") and self._storage_dtype != torch.float32:
-            return _default_dtype(self._storage_dtype)
-        return nullcontext()
+        return _default_dtype(self.spec.storage_dtype) if self._converts_storage else nullcontext()
 
     @override
     def module_init_context(self):
@@ -134,11 +190,12 @@ class FSDP2Precision(Precision):
 
     @override
     def convert_input(self, data: Any) -> Any:
-        if self.precision.endswith("-true") and self._storage_dtype != torch.float32:
-            from lightning.fabric.utilities.apply_func import apply_to_collection
+        if not self._converts_storage:
+            return data
+        from lightning.fabric.utilities.apply_func import apply_to_collection
 
-            return apply_to_collection(data, Tensor, lambda t: t.to(self._storage_dtype) if t.is_floating_point() else t)
-        return data
+        dtype = self.spec.storage_dtype
+        return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     @override
     @contextmanager
@@ -164,6 +221,7 @@ class FSDP2Precision(Precision):
         skip = closure_result is None and model.automatic_optimization
         if not skip:
             self.scaler.unscale_(optimizer)
+            self.grad_norm.invalidate()  # any norm of the scaled gradients is stale now
         self._after_closure(model, optimizer)
         if skip:
             return closure_result
@@ -175,7 +233,7 @@ class FSDP2Precision(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_sharded(params, float(clip_val))
+        clip_grad_norm_(params, float(clip_val), total_norm=self.grad_norm.get(params))
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -195,61 +253,3 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
-    """The norm of all gradients as if they were unsharded: local shard norms, reduced over each shard group.
-
-    A sharded (DTensor) gradient contributes its local shard on every rank of its shard group, so the partial
-    sums are all-reduced over that group only (for HSDP, replicas hold identical shards and are not summed).
-    A plain tensor gradient is replicated and counted once.
-    """
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Shard
-
-    seen: set[int] = set()
-    replicated: list[Tensor] = []
-    sharded: dict[Any, list[Tensor]] = {}
-    for p in parameters:
-        if p.grad is None or id(p) in seen:
-            continue
-        seen.add(id(p))
-        g = p.grad
-        if isinstance(g, DTensor):
-            shard_dims = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
-            sharded.setdefault((g.device_mesh, shard_dims), []).append(g.to_local())
-        else:
-            replicated.append(g)
-    if not seen:
-        return torch.tensor(0.0)
-
-    inf_norm = math.isinf(norm_type)
-
-    def _partial(grads: list[Tensor]) -> Tensor:
-        if not grads:
-            return torch.zeros((), dtype=torch.float64)
-        norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).double().cpu() for g in grads])
-        return norms.max() if inf_norm else norms.pow(norm_type).sum()
-
-    total = _partial(replicated)
-    for (mesh, shard_dims), grads in sharded.items():
-        part = _partial(grads)
-        device = mesh.device_type
-        part = part.to(device)
-        for dim in shard_dims:
-            dist.all_reduce(part, op=dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM, group=mesh.get_group(dim))
-        part = part.cpu()
-        total = torch.maximum(total, part) if inf_norm else total + part
-    return total if inf_norm else total.pow(1.0 / norm_type)
-
-
-def clip_grad_norm_sharded(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
-    """``clip_grad_norm_`` for FSDP2: scale every gradient by ``max_norm / global_norm`` when that is < 1."""
-    params = list(parameters)
-    total = total_grad_norm(params, norm_type)
-    coef = min(1.0, max_norm / (float(total) + 1e-6))
-    if coef < 1.0:
-        with torch.no_grad():
-            for g in {id(p): p.grad for p in params if p.grad is not None}.values():
-                g.mul_(coef)
-    return total.float()

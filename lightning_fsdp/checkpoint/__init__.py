@@ -1,6 +1,12 @@
 """Crash-safe checkpoints for sharded models: parallel sharded saves with an atomic commit, verified and safe
 loads at any world size, consolidation into one file, and pretrained weights into a sharded model.
 
+Modules: :mod:`.checkpointer` (orchestration, async saves), :mod:`.sharded` and :mod:`.full` (the two formats),
+:mod:`.compatibility` (keys, dtypes, shapes: one check for checkpoints and pretrained weights), :mod:`.manifest`
+(sizes, checksums, provenance), :mod:`.commit` (atomic rename, crash recovery), :mod:`.safe_load` (no pickled code
+runs), :mod:`.state` (pure transforms of the checkpoint dict), :mod:`.shard_reader` and :mod:`.consolidate`
+(one-process export), :mod:`.pretrained`.
+
 ==========================  =====================================================================================
 :class:`Checkpointer`       save (sharded directory or full file), load (either, resharded), remove, finalize
 :func:`verify_checkpoint`   manifest, sizes and checksums of a checkpoint directory (or CRCs of a ``.ckpt`` file)
@@ -29,11 +35,11 @@ def verify_checkpoint(path: Union[str, Path], checksums: bool = True) -> Manifes
 
     Returns the manifest of a directory, ``None`` for a file.
     """
-    from lightning_fsdp.checkpoint.checkpointer import _check_zip
+    from lightning_fsdp.checkpoint.full import check_zip
 
     path = Path(path)
     if path.is_file():
-        _check_zip(path, checksums)
+        check_zip(path, checksums)
         return None
     manifest = read_manifest(path)
     verify_files(path, manifest, checksums=checksums)

@@ -78,15 +78,6 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_tree(path: Path) -> None:
-    """fsync every file in a directory, then the directory itself."""
-    path = Path(path)
-    if path.is_dir():
-        for child in path.iterdir():
-            fsync_tree(child)
-    fsync_path(path)
-
-
 # -- rename primitives --------------------------------------------------------------------------------------------------
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100

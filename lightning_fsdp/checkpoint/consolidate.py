@@ -11,7 +11,6 @@ the output (for safetensors, which is written as it is read: near one tensor).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import struct
@@ -24,16 +23,10 @@ import torch
 
 from lightning_fsdp.checkpoint import commit as commit_ops
 from lightning_fsdp.checkpoint.errors import CheckpointError
-from lightning_fsdp.checkpoint.manifest import META_NAME, read_manifest, require_listed, verify_files
-from lightning_fsdp.checkpoint.safe_load import read_metadata, safe_torch_load
-from lightning_fsdp.checkpoint.state import (
-    META_KEY,
-    SHARDED_KEYS,
-    TensorPath,
-    insert_tensors,
-    is_id_keyed,
-    optimizer_state_to_ids,
-)
+from lightning_fsdp.checkpoint.manifest import read_manifest, verify_files
+from lightning_fsdp.checkpoint.shard_reader import ShardReader
+from lightning_fsdp.checkpoint.sharded_load import read_state_files
+from lightning_fsdp.checkpoint.state import TensorPath, assemble_full_checkpoint
 
 Format = Literal["ckpt", "safetensors"]
 
@@ -89,64 +82,6 @@ class _Progress:
             )
 
 
-class ShardReader:
-    """Reads whole tensors out of a verified DCP checkpoint directory, one at a time."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root)
-        self.metadata = read_metadata(self.root)
-        self._files: dict[str, Any] = {}
-
-    def tensor_keys(self) -> list[str]:
-        return [k for k, md in self.metadata.state_dict_metadata.items() if hasattr(md, "chunks")]
-
-    def nbytes(self, key: str) -> int:
-        md = self.metadata.state_dict_metadata[key]
-        return int(torch.Size(md.size).numel()) * torch.empty((), dtype=md.properties.dtype).element_size()
-
-    def read(self, key: str) -> torch.Tensor:
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        md = self.metadata.state_dict_metadata.get(key)
-        if md is None or not hasattr(md, "chunks"):
-            raise CheckpointError(f"{self.root}: no tensor {key!r} in .metadata.")
-        out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        for chunk in md.chunks:
-            info = self.metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
-            if info is None:
-                raise CheckpointError(f"{self.root}: .metadata has no storage for a chunk of {key!r}.")
-            if getattr(info, "transform_descriptors", None):
-                raise CheckpointError(
-                    f"{self.root}: {key!r} was written with stream transforms, which are not supported."
-                )
-            data = self._slice(info.relative_path, info.offset, info.length)
-            part = safe_torch_load(io.BytesIO(data), where=f"{self.root / info.relative_path} ({key})")
-            if not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(chunk.sizes):
-                raise CheckpointError(f"{self.root}: a chunk of {key!r} does not have the shape .metadata gives.")
-            region = out
-            for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
-                region = region.narrow(dim, offset, size)
-            region.copy_(part)
-        return out
-
-    def _slice(self, name: str, offset: int, length: int) -> bytes:
-        f = self._files.get(name)
-        if f is None:
-            if "/" in name or name.startswith(".."):
-                raise CheckpointError(f"{self.root}: .metadata names a file outside the checkpoint: {name!r}.")
-            f = self._files[name] = open(self.root / name, "rb")
-        f.seek(offset)
-        data = f.read(length)
-        if len(data) != length:
-            raise CheckpointError(f"{self.root / name} is truncated.")
-        return data
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
-
-
 def consolidate_checkpoint(
     src: Union[str, Path],
     dst: Union[str, Path],
@@ -163,13 +98,8 @@ def consolidate_checkpoint(
     manifest = read_manifest(src)
     if verify:
         verify_files(src, manifest)
-    require_listed(src, manifest, [".metadata", META_NAME])
-    meta = safe_torch_load(src / META_NAME, where=src / META_NAME)
-    if not isinstance(meta, dict) or not isinstance(meta.get(META_KEY), dict):
-        raise CheckpointError(f"{src / META_NAME} is not a lightning_fsdp checkpoint state file.")
-    paths: dict[str, TensorPath] = {k: tuple(v) for k, v in meta.pop(META_KEY)["tensors"].items()}
-    reader = ShardReader(src)
-    require_listed(src, manifest, [getattr(i, "relative_path", "") for i in reader.metadata.storage_data.values()])
+    metadata, meta, paths = read_state_files(src, manifest)
+    reader = ShardReader(src, metadata)
     try:
         unknown = sorted(set(paths) - set(reader.tensor_keys()))
         if unknown:
@@ -187,15 +117,9 @@ def consolidate_checkpoint(
                 for key, path in paths.items():
                     tensors[path] = reader.read(key)
                     bar.update(tensors[path].numel() * tensors[path].element_size())
-                for top in SHARDED_KEYS:
-                    if top in meta:
-                        meta[top] = insert_tensors(meta[top], tensors, (top,))
+                meta = assemble_full_checkpoint(meta, tensors)
                 tensors.clear()
                 meta.setdefault("pytorch-lightning_version", _lightning_version())
-                if meta.get("optimizer_states") is not None:
-                    meta["optimizer_states"] = [
-                        s if is_id_keyed(s) else optimizer_state_to_ids(s) for s in meta["optimizer_states"]
-                    ]
                 with open(staging, "wb") as f:
                     torch.save(meta, f)
                     f.flush()

@@ -134,12 +134,9 @@ def versions() -> dict[str, str]:
         out["lightning"] = lightning.__version__
     except ImportError:  # pragma: no cover
         pass
-    try:
-        from lightning_fsdp import __version__
+    from lightning_fsdp._version import __version__
 
-        out["lightning_fsdp"] = __version__
-    except ImportError:  # pragma: no cover - during package import
-        pass
+    out["lightning_fsdp"] = __version__
     return out
 
 

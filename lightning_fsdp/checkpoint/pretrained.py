@@ -25,9 +25,12 @@ from typing import Any, Literal, Union
 import torch
 from torch import nn
 
-from lightning_fsdp.checkpoint.checkpointer import _agree, _broadcast, _distributed, _rank, _short
+from lightning_fsdp.checkpoint.compatibility import check_fits, describe
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.safe_load import safe_torch_load
+from lightning_fsdp.checkpoint.sharded import agreed
+from lightning_fsdp.formatting import short_list
+from lightning_fsdp.parallel.collectives import broadcast_object, is_distributed, on_rank_zero, rank
 
 DtypeMismatch = Literal["warn", "error"]
 
@@ -97,54 +100,36 @@ def load_pretrained(
 
     def read() -> LoadReport:
         weights = {prefix + k: v for k, v in read_weights(path).items()}
-        missing = sorted(set(current) - set(weights))
-        unexpected = sorted(set(weights) - set(current))
-        if strict and (missing or unexpected):
+        fit = check_fits(
+            f"Pretrained weights {path}",
+            describe(weights),
+            describe(current),
+            strict=strict,
+            source="file",
+            dtype_mismatch="convert",
+            missing_fix="Pass strict=False to load the keys that match, or `prefix` if the file holds the weights of"
+            " a submodule.",
+        )
+        if fit.converted and dtype_mismatch == "error":
             raise CheckpointError(
-                f"Pretrained weights {path} do not match the model: missing keys {_short(missing)}, unexpected keys"
-                f" {_short(unexpected)}. Pass strict=False to load the keys that match, or `prefix` if the file holds"
-                " the weights of a submodule."
-            )
-        shapes = [
-            f"{k}: file {tuple(weights[k].shape)}, model {tuple(current[k].shape)}"
-            for k in sorted(set(weights) & set(current))
-            if tuple(weights[k].shape) != tuple(current[k].shape)
-        ]
-        if shapes:
-            raise CheckpointError(f"Pretrained weights {path} have other shapes than the model: {_short(shapes)}.")
-        cast = [
-            f"{k} ({weights[k].dtype} -> {current[k].dtype})"
-            for k in sorted(set(weights) & set(current))
-            if weights[k].dtype != current[k].dtype
-        ]
-        if cast and dtype_mismatch == "error":
-            raise CheckpointError(
-                f"Pretrained weights {path} are stored in other dtypes than the model: {_short(cast)}."
+                f"Pretrained weights {path} are stored in other dtypes than the model: {short_list(fit.converted)}."
                 " Pass dtype_mismatch='warn' to convert them, or convert the file."
             )
-        for key in unexpected:
+        for key in fit.unexpected:
             del weights[key]
         holder["weights"] = weights
-        return LoadReport(missing, unexpected, cast)
+        return LoadReport(fit.missing, fit.unexpected, fit.converted)
 
-    report = _broadcast(_agree(read if _rank() == 0 else lambda: None, f"Loading pretrained weights {path}"))
-    if _rank() == 0:
-        if report.missing_keys or report.unexpected_keys:
-            warnings.warn(
-                f"Pretrained weights {path}: model keys not in the file keep their initial values"
-                f" {_short(report.missing_keys)}; file keys not in the model are ignored"
-                f" {_short(report.unexpected_keys)}.",
-                stacklevel=2,
-            )
-        if report.cast_keys:
-            warnings.warn(
-                f"Pretrained weights {path} are converted to the model's dtypes: {_short(report.cast_keys)}.",
-                stacklevel=2,
-            )
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=_distributed(), strict=strict)
+    report = broadcast_object(agreed(on_rank_zero(read), f"Loading pretrained weights {path}"))
+    if rank() == 0 and report.cast_keys:
+        warnings.warn(
+            f"Pretrained weights {path} are converted to the model's dtypes: {short_list(report.cast_keys)}.",
+            stacklevel=2,
+        )
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=is_distributed(), strict=strict)
 
     def load() -> None:
         set_model_state_dict(model, holder.pop("weights", {}), options=options)
 
-    _agree(load, f"Loading pretrained weights {path}")
+    agreed(load, f"Loading pretrained weights {path}")
     return report

@@ -22,9 +22,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from lightning_fsdp._torch_compat import dcp_metadata_path, dcp_set_element, dcp_unpickle_allowlist
 from lightning_fsdp.checkpoint.errors import CheckpointError
 
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED_CLASSES: dict[tuple[str, str], Any] = {}
 
 
@@ -35,22 +35,8 @@ def _allowed() -> dict[tuple[str, str], Any]:
     import collections
     import pathlib
 
-    from torch.distributed.checkpoint import filesystem, metadata
-
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    ):
-        _ALLOWED_CLASSES[(_DCP_METADATA, name)] = getattr(metadata, name)
-    _ALLOWED_CLASSES[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+    _ALLOWED_CLASSES.update(dcp_unpickle_allowlist())
     _ALLOWED_CLASSES[("torch", "Size")] = torch.Size
-    _ALLOWED_CLASSES[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     _ALLOWED_CLASSES[("collections", "OrderedDict")] = collections.OrderedDict
     for cls in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.Path):
         _ALLOWED_CLASSES[("pathlib", cls.__name__)] = cls
@@ -108,7 +94,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        path = Path(self._get_metadata_path(rank))
+        path = Path(dcp_metadata_path(self, rank))
         metadata = load_metadata_bytes(path.read_bytes(), path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -122,9 +108,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         obj = safe_torch_load(value, where=f"checkpoint entry {read_item.dest_index.fqn!r}")
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 

@@ -6,6 +6,8 @@
   ``torch.load(..., weights_only=True)`` can read them back without running code.
 - :func:`optimizer_state_to_ids` / :func:`optimizer_state_to_fqns` convert between the parameter-name keyed
   optimizer state of ``torch.distributed.checkpoint.state_dict`` and ``torch.optim``'s integer ids.
+- :func:`split_checkpoint` / :func:`assemble_full_checkpoint`: a Lightning checkpoint → (``meta.pt`` content, flat
+  tensors) for a sharded save, and back to one plain Lightning checkpoint (full saves and consolidation).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import dataclasses
 import enum
 import pathlib
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Union
 
 import torch
@@ -29,6 +31,7 @@ TensorPath = tuple[PathItem, ...]
 SHARDED_KEYS = ("state_dict", "optimizer_states")
 #: our own bookkeeping inside ``meta.pt``; removed before the dict reaches Lightning
 META_KEY = "lightning_fsdp"
+META_FORMAT_VERSION = 1
 
 
 # -- tensor leaves ------------------------------------------------------------------------------------------------------
@@ -104,18 +107,6 @@ def storage_key(path: TensorPath) -> str:
 
 def _fmt(path: TensorPath) -> str:
     return "checkpoint" + "".join(f"[{p!r}]" for p in path)
-
-
-def iter_leaves(tree: Any, prefix: TensorPath = ()) -> Iterator[tuple[TensorPath, Any]]:
-    """Every non-container leaf with its path (dict keys and list positions)."""
-    if isinstance(tree, Mapping):
-        for key, value in tree.items():
-            yield from iter_leaves(value, (*prefix, key))
-    elif isinstance(tree, (list, tuple)):
-        for i, value in enumerate(tree):
-            yield from iter_leaves(value, (*prefix, i))
-    else:
-        yield prefix, tree
 
 
 # -- plain containers ---------------------------------------------------------------------------------------------------
@@ -250,3 +241,49 @@ def optimizer_state_to_fqns(state: Mapping[str, Any], group_names: list[list[str
         new_groups.append(new_group)
     per_param = {name_of[pid]: value for pid, value in state.get("state", {}).items() if pid in name_of}
     return {"state": per_param, "param_groups": new_groups}
+
+
+# -- whole checkpoints ------------------------------------------------------------------------------------------------
+def plain_meta_and_tensors(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[TensorPath, torch.Tensor]]:
+    """Model/optimizer tensors pulled out of their containers (skeletons stay), the rest made plain data."""
+    meta: dict[str, Any] = {}
+    tensors: dict[TensorPath, torch.Tensor] = {}
+    for key, value in checkpoint.items():
+        if key in SHARDED_KEYS:
+            skeleton, found = extract_tensors(value, (key,))
+            meta[key] = skeleton
+            tensors.update(found)
+        else:
+            meta[key] = value
+    return plain_checkpoint_meta(meta), tensors
+
+
+def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[TensorPath, torch.Tensor]]:
+    """Lightning's checkpoint → (plain ``meta.pt`` content, ``{path: tensor}`` of model and optimizer tensors).
+
+    ``meta[META_KEY]["tensors"]`` maps each tensor's storage key to its exact path in the checkpoint dict.
+    """
+    meta, tensors = plain_meta_and_tensors(checkpoint)
+    keys: dict[str, TensorPath] = {}
+    for path in tensors:
+        key = storage_key(path)
+        while key in keys:
+            key += "#"
+        keys[key] = path
+    meta[META_KEY] = {"format_version": META_FORMAT_VERSION, "tensors": keys}
+    return meta, tensors
+
+
+def assemble_full_checkpoint(meta: dict[str, Any], tensors: Mapping[TensorPath, torch.Tensor]) -> dict[str, Any]:
+    """``meta`` with its tensors put back and optimizer states in ``torch.optim``'s integer-id format: what a plain
+    Lightning ``.ckpt`` holds, so ``load_from_checkpoint`` and ``optimizer.load_state_dict`` work without us."""
+    meta.pop(META_KEY, None)
+    for top in SHARDED_KEYS:
+        if top in meta:
+            meta[top] = insert_tensors(meta[top], tensors, (top,))
+    if meta.get("optimizer_states") is not None:
+        meta["optimizer_states"] = [
+            s if is_id_keyed(s) or not s.get("param_groups") else optimizer_state_to_ids(s)
+            for s in meta["optimizer_states"]
+        ]
+    return meta

@@ -5,16 +5,8 @@ other tools (benchmarks, the memory planner) build a decoder of a given size.
 """
 
 from lightning_fsdp.models.cnn import ConvBlock, ShapesCNN, average_batchnorm_stats
-from lightning_fsdp.models.gpt import (
-    GPT,
-    PRESETS,
-    GPTConfig,
-    GPTLightningModule,
-    TransformerBlock,
-    config_with_params,
-    count_params,
-    get_preset,
-)
+from lightning_fsdp.models.gpt import GPT, GPTLightningModule, TransformerBlock
+from lightning_fsdp.models.gpt_config import PRESETS, GPTConfig, config_with_params, count_params, get_preset
 
 __all__ = [
     "GPT",

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_fsdp.models.metrics import ValidationMetrics
+
 __all__ = ["ConvBlock", "ShapesCNN", "average_batchnorm_stats"]
 
 
@@ -67,7 +69,7 @@ class ShapesCNN(L.LightningModule):
             *(ConvBlock(channels[i], channels[i + 1], stride=1 if i == 0 else 2) for i in range(len(widths)))
         )
         self.classifier = nn.Linear(widths[-1], num_classes)
-        self._val_metrics: dict[str, Any] = _new_val_metrics(num_classes)  # outside the module tree, see gpt.py
+        self._val_metrics = ValidationMetrics(num_classes)  # outside the module tree: see metrics.py
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.features(x).mean(dim=(2, 3)))
@@ -85,10 +87,7 @@ class ShapesCNN(L.LightningModule):
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
-        metrics = self._val_metrics
-        for metric in metrics.values():
-            if metric.device != logits.device:
-                metric.to(logits.device)
+        metrics = self._val_metrics.on(logits.device)
         metrics["loss"].update(F.cross_entropy(logits, y), weight=y.numel())
         metrics["acc"].update(logits.argmax(-1), y)
 
@@ -99,9 +98,7 @@ class ShapesCNN(L.LightningModule):
         self._sync_batchnorm()
 
     def on_validation_epoch_end(self) -> None:
-        values = {name: metric.compute() for name, metric in self._val_metrics.items()}
-        for metric in self._val_metrics.values():
-            metric.reset()
+        values = self._val_metrics.compute_and_reset()
         self.log("val_loss", values["loss"], prog_bar=True, sync_dist=True)
         self.log("val_acc", values["acc"], prog_bar=True, sync_dist=True)
 
@@ -113,6 +110,9 @@ class ShapesCNN(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
 
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
 def average_batchnorm_stats(module: nn.Module, mean_over_ranks: Any) -> int:
     """Replace every BatchNorm's running mean/var by ``mean_over_ranks(tensor)``; returns how many layers.
 
@@ -121,15 +121,8 @@ def average_batchnorm_stats(module: nn.Module, mean_over_ranks: Any) -> int:
     count = 0
     with torch.no_grad():
         for m in module.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.running_mean is not None:
+            if isinstance(m, _BATCH_NORMS) and m.track_running_stats and m.running_mean is not None:
                 m.running_mean.copy_(mean_over_ranks(m.running_mean.clone()))
                 m.running_var.copy_(mean_over_ranks(m.running_var.clone()))
                 count += 1
     return count
-
-
-def _new_val_metrics(num_classes: int) -> dict[str, Any]:
-    from torchmetrics import MeanMetric
-    from torchmetrics.classification import MulticlassAccuracy
-
-    return {"loss": MeanMetric(), "acc": MulticlassAccuracy(num_classes=num_classes, average="micro")}

@@ -9,7 +9,7 @@ code builds the network on the CPU/GPU directly.
 The blocks are all one class, :class:`TransformerBlock`, held in an ``nn.ModuleList``: ``auto_wrap_policy="auto"``
 makes each block an FSDP unit without naming anything, and ``[TransformerBlock]`` names it explicitly in YAML.
 
-Sizes: :data:`PRESETS` maps names (``"gpt-5m"``, ``"gpt-50m"``, ...) to a :class:`GPTConfig`; :func:`count_params`
+Sizes (:mod:`lightning_fsdp.models.gpt_config`): :data:`PRESETS` maps names (``"gpt-5m"``, ``"gpt-50m"``, ...) to a :class:`GPTConfig`; :func:`count_params`
 gives the exact parameter count of a config without building it; :func:`config_with_params` picks a width for a
 target size. Benchmarks and the memory planner build models from these.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from typing import Any, Optional
 
 import lightning as L
@@ -26,108 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = [
-    "GPT",
-    "GPTConfig",
-    "GPTLightningModule",
-    "PRESETS",
-    "TransformerBlock",
-    "config_with_params",
-    "count_params",
-    "get_preset",
-]
+from lightning_fsdp.models.gpt_config import GPTConfig, count_params, get_preset
+from lightning_fsdp.models.metrics import ValidationMetrics
 
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Shape of the decoder.
-
-    Args:
-        vocab_size: number of token ids (256 for the byte-level corpus).
-        n_layer: number of :class:`TransformerBlock` s.
-        n_head: attention heads; ``d_model`` must divide evenly and the head size must be even (rotary).
-        d_model: width of the residual stream.
-        seq_len: longest context; the rotary tables are built for this length.
-        mlp_ratio: hidden width of the MLP as a multiple of ``d_model``.
-        dropout: dropout on attention and residual branches (0 for small data).
-        tie_weights: share the token embedding with the output head (saves ``vocab_size × d_model`` params).
-    """
-
-    vocab_size: int = 256
-    n_layer: int = 6
-    n_head: int = 8
-    d_model: int = 256
-    seq_len: int = 256
-    mlp_ratio: int = 4
-    dropout: float = 0.0
-    tie_weights: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "mlp_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}.")
-        if self.d_model % self.n_head != 0:
-            raise ValueError(f"GPTConfig: d_model={self.d_model} is not divisible by n_head={self.n_head}.")
-        if (self.d_model // self.n_head) % 2 != 0:
-            raise ValueError(
-                f"GPTConfig: the head size d_model/n_head={self.d_model // self.n_head} must be even for rotary"
-                " position embeddings; change d_model or n_head."
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}.")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-
-#: Named sizes (byte-level vocabulary). The name is the rounded parameter count; see :func:`count_params`.
-PRESETS: dict[str, GPTConfig] = {
-    "gpt-tiny": GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=64),  # ~0.12M, for tests
-    "gpt-5m": GPTConfig(n_layer=6, n_head=8, d_model=256, seq_len=256),  # ~4.8M, the default job
-    "gpt-25m": GPTConfig(n_layer=8, n_head=8, d_model=512, seq_len=256),  # ~25M
-    "gpt-50m": GPTConfig(n_layer=10, n_head=10, d_model=640, seq_len=512),  # ~49M
-    "gpt-200m": GPTConfig(n_layer=16, n_head=16, d_model=1024, seq_len=1024),  # ~202M
-}
-
-
-def get_preset(name: str, **overrides: Any) -> GPTConfig:
-    """The preset ``name`` with some fields replaced, e.g. ``get_preset("gpt-50m", seq_len=1024)``."""
-    if name not in PRESETS:
-        raise KeyError(f"Unknown GPT preset {name!r}; choose one of {sorted(PRESETS)}.")
-    return replace(PRESETS[name], **overrides)
-
-
-def count_params(config: GPTConfig) -> int:
-    """Exact number of (unique) parameters of :class:`GPT` for ``config``, without building it.
-
-    Per block: two LayerNorms (``2·d`` each), q/k/v and output projections (``4·d²``, no biases) and the MLP
-    (``2·r·d²``). Plus the token embedding, the final LayerNorm and, if untied, the output head.
-    """
-    d, r = config.d_model, config.mlp_ratio
-    per_block = 4 * d + 4 * d * d + 2 * r * d * d
-    embedding = config.vocab_size * d
-    head = 0 if config.tie_weights else config.vocab_size * d
-    return config.n_layer * per_block + embedding + 2 * d + head
-
-
-def config_with_params(
-    target: int, *, n_layer: int, head_dim: int = 64, vocab_size: int = 256, seq_len: int = 256, **kwargs: Any
-) -> GPTConfig:
-    """The config with ``n_layer`` blocks whose size is closest to ``target`` params (width a multiple of ``head_dim``)."""
-    if target < 1 or n_layer < 1:
-        raise ValueError(f"target and n_layer must be positive, got target={target}, n_layer={n_layer}.")
-    best: Optional[GPTConfig] = None
-    n_head = 1
-    while True:
-        cfg = GPTConfig(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, d_model=n_head * head_dim,
-                        seq_len=seq_len, **kwargs)
-        if best is None or abs(count_params(cfg) - target) < abs(count_params(best) - target):
-            best = cfg
-        if count_params(cfg) >= target:
-            return best
-        n_head += 1
+__all__ = ["GPT", "GPTLightningModule", "TransformerBlock"]
 
 
 # -- building blocks: each module that owns parameters/buffers initialises them in `reset_parameters` ------------------
@@ -296,9 +198,7 @@ class GPTLightningModule(L.LightningModule):
         self.save_hyperparameters()
         self.config = GPTConfig(vocab_size, n_layer, n_head, d_model, seq_len, mlp_ratio, dropout, tie_weights)
         self.net: Optional[GPT] = None
-        # torchmetrics objects live outside the module tree: a model materialised from the meta device goes through
-        # `to_empty`, which would leave metric states (and their reset defaults) as uninitialised memory.
-        self._val_metrics: dict[str, Any] = _new_val_metrics(vocab_size)
+        self._val_metrics = ValidationMetrics(vocab_size, perplexity=True)  # outside the module tree: see metrics.py
 
     @classmethod
     def from_preset(cls, name: str, **kwargs: Any) -> GPTLightningModule:
@@ -341,24 +241,16 @@ class GPTLightningModule(L.LightningModule):
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         loss, logits, y = self._shared_step(batch)
-        metrics = self._metrics_on(logits.device)
+        metrics = self._val_metrics.on(logits.device)
         metrics["loss"].update(loss.detach(), weight=y.numel())
         metrics["ppl"].update(logits.detach().float(), y)
         metrics["acc"].update(logits.detach().argmax(-1), y)
 
     def on_validation_epoch_end(self) -> None:
-        values = {name: metric.compute() for name, metric in self._val_metrics.items()}  # collective: syncs ranks
-        for metric in self._val_metrics.values():
-            metric.reset()
+        values = self._val_metrics.compute_and_reset()  # collective: syncs ranks
         self.log("val_loss", values["loss"], prog_bar=True, sync_dist=True)
         self.log("val_ppl", values["ppl"], sync_dist=True)
         self.log("val_acc", values["acc"], sync_dist=True)
-
-    def _metrics_on(self, device: torch.device) -> dict[str, Any]:
-        for metric in self._val_metrics.values():
-            if metric.device != device:
-                metric.to(device)
-        return self._val_metrics
 
     def configure_optimizers(self) -> dict[str, Any]:
         h = self.hparams
@@ -439,18 +331,6 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
     span = max(total_steps - warmup_steps, 1)
     progress = min(max(step - warmup_steps, 0) / span, 1.0)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def _new_val_metrics(vocab_size: int) -> dict[str, Any]:
-    from torchmetrics import MeanMetric
-    from torchmetrics.classification import MulticlassAccuracy
-    from torchmetrics.text import Perplexity
-
-    return {
-        "loss": MeanMetric(),
-        "ppl": Perplexity(),
-        "acc": MulticlassAccuracy(num_classes=vocab_size, average="micro"),
-    }
 
 
 def _reshard(module: nn.Module) -> None:

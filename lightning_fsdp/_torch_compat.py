@@ -1,0 +1,345 @@
+"""Every private torch and Lightning internal the package relies on, in one module, checked against the versions
+it was written for.
+
+Outside this module the package uses public names only (a test greps for it). Each internal is one of:
+
+- a **fast path**: an optimisation. If a torch or Lightning upgrade moves it, behaviour stays correct but something
+  is lost; :func:`warn_lost` says so once, loudly, naming what is lost and the tested versions. :func:`fast_paths`
+  reports which fast paths work on the installed versions (a test asserts all of them on the pinned torch).
+- a **requirement**: a feature cannot work without it; using the feature raises an ``ImportError`` that names the
+  internal and the versions this package was tested with.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _set_num_threads_if_needed as set_num_threads_if_needed,
+)
+from lightning.fabric.utilities.distributed import _distributed_is_initialized as distributed_is_initialized
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.fabric.utilities.types import _PATH as PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
+from lightning.pytorch.strategies.strategy import _ForwardRedirection as ForwardRedirection
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.distributed import Store
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: the versions every internal below was checked against
+TESTED_TORCH = "2.13"
+TESTED_LIGHTNING = "2.6"
+
+__all__ = [
+    "PATH",
+    "FastPathLost",
+    "ForwardRedirection",
+    "RootForwardRedirection",
+    "SubprocessScriptLauncher",
+    "attached_trainer",
+    "batches_processed",
+    "composable_checkpoint",
+    "dcp_metadata_path",
+    "dcp_set_element",
+    "dcp_unpickle_allowlist",
+    "default_store",
+    "distributed_is_initialized",
+    "distributed_rng_supported",
+    "fast_paths",
+    "foreach_lerp_",
+    "foreach_mul_",
+    "hf_init_weights",
+    "hf_storage_info",
+    "give_module_device_mesh",
+    "init_dist_connection",
+    "keep_root_gathered",
+    "optimizers_to_device",
+    "reset_optimizers",
+    "set_num_threads_if_needed",
+    "start_local_ranks",
+    "sync_ddp_if_available",
+    "unwrap_optimizer",
+    "use_file_system",
+    "warn_lost",
+]
+
+
+class FastPathLost(RuntimeWarning):
+    """An internal this package optimises with is not where the tested torch/Lightning had it."""
+
+
+_WARNED: set[str] = set()
+
+
+def warn_lost(name: str, what_is_lost: str, detail: str = "") -> None:
+    """Warn once per process that the fast path ``name`` is unavailable, and what that costs."""
+    if name in _WARNED:
+        return
+    _WARNED.add(name)
+    import lightning
+
+    warnings.warn(
+        f"lightning_fsdp: the fast path {name!r} is unavailable with torch {torch.__version__} / lightning"
+        f" {lightning.__version__} (written for torch {TESTED_TORCH}, lightning {TESTED_LIGHTNING}): {what_is_lost}."
+        f" Training stays correct.{' ' + detail if detail else ''} Please report it with these versions.",
+        FastPathLost,
+        stacklevel=3,
+    )
+
+
+def _requirement(name: str, feature: str, error: BaseException) -> ImportError:
+    return ImportError(
+        f"{feature} needs {name}, which torch {torch.__version__} does not provide in the form this package was"
+        f" written for (torch {TESTED_TORCH}): {type(error).__name__}: {error}. Pin torch=={TESTED_TORCH}.* or report"
+        " it with your versions."
+    )
+
+
+# -- FSDP2: keep the root gathered across a nested root forward ----------------------------------------------------
+_ROOT_GATHER_LOST = (
+    "the root module's parameters (embeddings, head) are all-gathered a second time in every backward when"
+    " `training_step` calls `self(...)`"
+)
+
+
+def _fsdp_training_state() -> Any:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    return TrainingState
+
+
+def keep_root_gathered(root: nn.Module) -> bool:
+    """After a nested ``root(...)`` call returned inside the root's own forward, mark the root's still-gathered
+    parameter groups as being in forward again, so the outer post-forward honours ``reshard_after_forward=False``
+    instead of resharding an idle group. Returns whether it could (``False`` warns once).
+    """
+    try:
+        state_cls = _fsdp_training_state()
+        state = root._get_fsdp_state()  # type: ignore[operator]
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch < 2.10: at most one group per module
+            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+        for group in groups:
+            if group._training_state == state_cls.IDLE and group.is_unsharded and not group._reshard_after_forward:
+                group._training_state = state_cls.FORWARD
+    except (ImportError, AttributeError) as err:
+        warn_lost("root_gather", _ROOT_GATHER_LOST, f"({type(err).__name__}: {err})")
+        return False
+    return True
+
+
+class RootForwardRedirection(ForwardRedirection):
+    """Lightning's step redirection through the root's ``__call__``, without the second all-gather of the root's
+    parameters that a ``self(x)`` inside the step would otherwise cost (see :func:`keep_root_gathered`)."""
+
+    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: pl.LightningModule) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(wrapper_module, FSDPModule):
+            keep_root_gathered(wrapper_module)
+
+
+def _probe_root_gather() -> bool:
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+        state_cls = _fsdp_training_state()
+        init_source = inspect.getsource(FSDPParamGroup.__init__)
+        return (
+            hasattr(state_cls, "IDLE")
+            and hasattr(state_cls, "FORWARD")
+            and isinstance(inspect.getattr_static(FSDPParamGroup, "is_unsharded", None), property)
+            and "self._training_state" in init_source
+            and "self._reshard_after_forward" in init_source
+            and "_fsdp_param_groups" in inspect.getsource(FSDPState.__init__)
+            and callable(getattr(torch.distributed.fsdp.FSDPModule, "_get_fsdp_state", None))
+        )
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
+
+
+# -- DTensor: distributed random numbers ----------------------------------------------------------------------------
+def distributed_rng_supported(mesh: DeviceMesh) -> bool:
+    """Whether DTensor draws each shard as a slice of one random stream on ``mesh`` (CUDA-like meshes)."""
+    try:
+        from torch.distributed.tensor._random import is_rng_supported_mesh
+    except ImportError:
+        return mesh.device_type == "cuda"
+    return bool(is_rng_supported_mesh(mesh))
+
+
+# -- activation checkpointing -----------------------------------------------------------------------------------------
+def composable_checkpoint(module: nn.Module) -> None:
+    """``torch.distributed._composable.checkpoint``: activation checkpointing that keeps parameter names."""
+    try:
+        from torch.distributed._composable import checkpoint
+    except ImportError as err:
+        raise _requirement("torch.distributed._composable.checkpoint", "activation_checkpointing_policy", err) from err
+    checkpoint(module)
+
+
+# -- c10d: the rendezvous store ----------------------------------------------------------------------------------------
+def default_store() -> Optional[Store]:
+    """The default process group's store (the rendezvous TCPStore every rank is connected to), or ``None``."""
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError, ValueError) as err:
+        warn_lost(
+            "failure_relay",
+            "a failing rank cannot tell the others at once; they wait until the collective timeout",
+            f"({type(err).__name__}: {err})",
+        )
+        return None
+
+
+def _probe_default_store() -> bool:
+    import torch.distributed as dist
+
+    return callable(getattr(dist.distributed_c10d, "_get_default_store", None))
+
+
+# -- distributed checkpoint (DCP) -------------------------------------------------------------------------------------
+def dcp_unpickle_allowlist() -> dict[tuple[str, str], Any]:
+    """The globals DCP's ``.metadata`` pickle is made of, keyed ``(module, name)``."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    allowed: dict[tuple[str, str], Any] = {}
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    ):
+        allowed[(metadata.__name__, name)] = getattr(metadata, name)
+    allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    return allowed
+
+
+def dcp_metadata_path(reader: Any, rank: Optional[int] = None) -> Any:
+    """Where a ``FileSystemReader`` keeps ``.metadata``."""
+    return reader._get_metadata_path(rank)
+
+
+def dcp_set_element(root: Any, path: Any, value: Any) -> None:
+    """Put ``value`` at ``path`` of a nested state dict, as DCP's default planner does for byte entries."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(root, path, value)
+
+
+def hf_storage_info(path: str, shape: Sequence[int], dtype: torch.dtype) -> Any:
+    """DCP's record of where one tensor of a safetensors file is, as ``HuggingFaceStorageReader`` reads it."""
+    try:
+        from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+    except ImportError as err:
+        raise _requirement("torch.distributed.checkpoint._hf_utils._HFStorageInfo", "sharded safetensors loading", err) from err
+    return _HFStorageInfo(relative_path=path, shape=torch.Size(shape), dtype=dtype)
+
+
+def use_file_system(writer: Any, file_system: Any) -> None:
+    """Make a ``FileSystemWriter`` write through ``file_system`` (e.g. one that hashes what it writes)."""
+    if not hasattr(writer, "fs"):
+        raise _requirement("FileSystemWriter.fs", "sharded checkpoints", AttributeError("no attribute 'fs'"))
+    writer.fs = file_system
+
+
+# -- fused elementwise updates ----------------------------------------------------------------------------------------
+def foreach_mul_(tensors: Sequence[torch.Tensor], scalar: Union[torch.Tensor, float]) -> None:
+    """Multiply every tensor in place by ``scalar`` (a 0-d tensor keeps the factor on the device: no host sync)."""
+    if not tensors:
+        return
+    fused = getattr(torch, "_foreach_mul_", None)
+    if fused is None:
+        warn_lost("foreach_mul", "gradient clipping scales each gradient with its own kernel")
+        for t in tensors:
+            t.mul_(scalar)
+        return
+    fused(list(tensors), scalar)
+
+
+def foreach_lerp_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], weight: float) -> None:
+    """``target += weight * (source - target)`` for every pair, in as few kernels as possible."""
+    if not targets:
+        return
+    fused = getattr(torch, "_foreach_lerp_", None)
+    if fused is None:
+        warn_lost("foreach_lerp", "the moving average is updated with one kernel per tensor")
+        for t, s in zip(targets, sources):
+            t.lerp_(s, weight)
+        return
+    fused(list(targets), list(sources), weight)
+
+
+# -- Hugging Face -----------------------------------------------------------------------------------------------------
+def hf_init_weights(owner: nn.Module, module: nn.Module) -> None:
+    """``PreTrainedModel._init_weights(module)``: how transformers initialises one module of ``owner``."""
+    owner._init_weights(module)
+
+
+# -- Lightning ------------------------------------------------------------------------------------------------------------
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or ``optimizer`` itself)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def start_local_ranks(launcher: SubprocessScriptLauncher) -> list[Any]:
+    """Start the other local ranks, as Lightning's script launcher does at the top of its ``launch``."""
+    launcher._call_children_scripts()
+    return launcher.procs
+
+
+def attached_trainer(module: Optional[pl.LightningModule]) -> Optional[pl.Trainer]:
+    """The Trainer ``module`` is attached to, or ``None`` (Lightning's public ``trainer`` property raises then)."""
+    return getattr(module, "_trainer", None) if module is not None else None
+
+
+def give_module_device_mesh(module: Optional[pl.LightningModule], mesh: DeviceMesh) -> None:
+    """Make ``module.device_mesh`` return ``mesh`` (for ``configure_model``), as Lightning's strategies do."""
+    if module is not None:
+        module._device_mesh = mesh
+
+
+def reset_optimizers(strategy: Any) -> None:
+    """Forget the optimizers and schedulers of a previous stage (Lightning's strategy keeps them)."""
+    strategy._reset_optimizers_and_schedulers()
+
+
+def batches_processed(trainer: pl.Trainer) -> int:
+    """Training batches of the current epoch already processed (Lightning's fit-loop progress counter)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+
+
+# -- what works on this installation ------------------------------------------------------------------------------------
+_PROBES: dict[str, Callable[[], bool]] = {
+    "root_gather": _probe_root_gather,
+    "failure_relay": _probe_default_store,
+    "foreach_mul": lambda: callable(getattr(torch, "_foreach_mul_", None)),
+    "foreach_lerp": lambda: callable(getattr(torch, "_foreach_lerp_", None)),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def fast_paths() -> dict[str, bool]:
+    """Each fast path by name → whether the installed torch/Lightning provides it as this module expects."""
+    return {name: bool(probe()) for name, probe in _PROBES.items()}

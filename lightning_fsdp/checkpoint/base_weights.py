@@ -1,0 +1,63 @@
+"""Frozen pretrained weights a sharded checkpoint refers to instead of storing them (LoRA on a 70B base: megabytes
+per save instead of 140 GB).
+
+A checkpoint saved while the frozen parameters came from ``pretrained_weights`` records a :class:`BaseReference`
+(the source's identity: path, index hash, every file's size and SHA-256; and which model keys it supplies) and stores
+everything else. On load the strategy's resolver makes the model hold exactly those weights again, or raises a
+:class:`~lightning_fsdp.checkpoint.CheckpointError` when the source is missing or changed: a resumed run never
+silently mixes a new base with old adapters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from lightning_fsdp.checkpoint.errors import CheckpointError
+
+#: the top-level checkpoint entry holding the reference (plain data, in ``meta.pt``)
+PRETRAINED_ENTRY = "lightning_fsdp_pretrained"
+
+
+@dataclass(frozen=True)
+class BaseReference:
+    """Where the frozen base comes from (``identity``), which model keys it supplies, how keys map to its files."""
+
+    identity: dict[str, Any]
+    keys: tuple[str, ...]
+    key_map: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return str(self.identity.get("path", ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"identity": self.identity, "keys": list(self.keys), "key_map": dict(self.key_map)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: Path) -> BaseReference:
+        try:
+            return cls(dict(data["identity"]), tuple(str(k) for k in data["keys"]), dict(data.get("key_map") or {}))
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{where}: its reference to pretrained base weights is malformed ({err}).") from None
+
+
+#: makes the model hold the referenced base weights (loading them if needed), or raises a CheckpointError
+BaseResolver = Callable[[BaseReference], None]
+
+
+def pop_reference(meta: dict[str, Any], where: Path) -> Optional[BaseReference]:
+    data = meta.pop(PRETRAINED_ENTRY, None)
+    return BaseReference.from_dict(data, where) if data is not None else None
+
+
+def require_resolver(reference: BaseReference, resolver: Optional[BaseResolver], where: Path) -> BaseResolver:
+    if resolver is None:
+        raise CheckpointError(
+            f"{where} stores only the trainable weights: its {len(reference.keys)} frozen base weights come from"
+            f" {reference.path}. Load it with the strategy that trained it (`pretrained_weights={reference.path!r}`),"
+            " or consolidate it with `lightning-fsdp consolidate`, which reads the base too."
+        )
+    return resolver

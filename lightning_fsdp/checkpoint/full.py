@@ -1,0 +1,156 @@
+"""The full format: one ordinary Lightning ``.ckpt`` file written by rank 0, loadable without this package.
+
+Save: rank 0 writes the gathered checkpoint to a hidden temporary file, fsyncs and renames it into place. Load:
+rank 0 checks the archive's CRCs, reads it with ``weights_only`` and checks keys, dtypes and shapes; the other
+ranks receive only their shards, one tensor at a time (``broadcast_from_rank0``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fsdp.checkpoint import commit as commit_ops
+from lightning_fsdp.checkpoint.compatibility import check_count, check_fits, describe
+from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.checkpoint.safe_load import safe_torch_load
+from lightning_fsdp.checkpoint.sharded import RESTORE_HINT, SAVE_HINT, agreed
+from lightning_fsdp.checkpoint.state import (
+    META_KEY,
+    assemble_full_checkpoint,
+    is_id_keyed,
+    optimizer_state_to_fqns,
+    plain_meta_and_tensors,
+)
+from lightning_fsdp.parallel.collectives import broadcast_object, is_distributed, on_rank_zero, rank
+
+
+def save(checkpoint: Mapping[str, Any], path: Path) -> None:
+    """Rank 0 writes one ordinary Lightning ``.ckpt`` (full tensors, integer-keyed optimizer state)."""
+    token = broadcast_object(commit_ops.new_token())
+    staging = commit_ops.temp_path(path, commit_ops.STAGING, token)
+
+    def write() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        commit_ops.recover(path.parent)
+        payload = full_payload(checkpoint)
+        with open(staging, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        commit_ops.commit(staging, path)
+
+    def cleanup() -> None:
+        if rank() == 0:
+            commit_ops.delete(staging)
+
+    agreed(on_rank_zero(write), f"Saving checkpoint {path}", on_error=cleanup, hint=SAVE_HINT)
+
+
+def full_payload(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """A full checkpoint as plain Lightning expects it; its non-tensor part is checked to load with weights_only."""
+    meta, tensors = plain_meta_and_tensors(checkpoint)
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    buffer.seek(0)
+    safe_torch_load(buffer, where="the Lightning state being saved")
+    return assemble_full_checkpoint(meta, {p: t.detach() for p, t in tensors.items()})
+
+
+def load(path: Path, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], strict: bool, checksums: bool = True) -> dict[str, Any]:
+    """Restore ``model`` (and ``optimizers``) from a full file (every rank); returns the rest of the checkpoint."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    current = describe({k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)})
+    group_names = [param_group_names(model, opt) for opt in optimizers]
+    holder: dict[str, Any] = {}
+
+    def read() -> dict[str, Any]:
+        check_zip(path, checksums)
+        ckpt = safe_torch_load(path, where=path, mmap=zipfile.is_zipfile(path))
+        if not isinstance(ckpt, dict):
+            raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a Lightning checkpoint dict.")
+        full_sd = ckpt.pop("state_dict", None)
+        if full_sd is None:
+            raise CheckpointError(f"{path} has no 'state_dict'; it is not a Lightning checkpoint.")
+        if not isinstance(full_sd, Mapping) or any(not isinstance(v, torch.Tensor) for v in full_sd.values()):
+            raise CheckpointError(f"{path}: 'state_dict' must map parameter names to tensors.")
+        optim_states = ckpt.pop("optimizer_states", None)
+        full_sd = dict(full_sd)
+        check_fits(path, describe(full_sd), current, strict=strict, what="model")
+        for key in set(full_sd) - set(current):
+            del full_sd[key]
+        if optimizers and optim_states is not None:
+            check_count(path, optim_states, optimizers)
+            optim_states = [
+                optimizer_state_to_fqns(o, names) if is_id_keyed(o) else o for o, names in zip(optim_states, group_names)
+            ]
+        holder.update(model=full_sd, optim=optim_states)
+        return ckpt
+
+    rest = broadcast_object(agreed(on_rank_zero(read), f"Loading checkpoint {path}"))
+    has_optim = broadcast_object(holder.get("optim") is not None) and bool(optimizers)
+    is_zero = rank() == 0
+    broadcast = is_distributed()  # rank 0 alone holds the full tensors; the others receive their shards
+
+    def apply() -> None:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=strict)
+        set_model_state_dict(model, holder["model"] if is_zero else {}, options=options)
+        if has_optim:
+            for i, opt in enumerate(optimizers):
+                osd = holder["optim"][i] if is_zero else {}
+                set_optimizer_state_dict(
+                    model, opt, osd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+                )
+
+    agreed(apply, f"Restoring checkpoint {path}", hint=RESTORE_HINT)
+    holder.clear()
+    rest.pop(META_KEY, None)
+    return rest
+
+
+def param_group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Parameter names per param group, in the optimizer's order (the first name of a tied parameter)."""
+    name_of: dict[int, str] = {}
+    for name, param in model.named_parameters():
+        name_of.setdefault(id(param), name)
+    try:
+        return [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    except KeyError:
+        raise CheckpointError(
+            "The optimizer holds a parameter that is not in the model; build it from `self.parameters()`."
+        ) from None
+
+
+def check_zip(path: Path, checksums: bool) -> None:
+    """A full checkpoint is a zip archive whose members carry CRC-32s: check them before anything is unpickled."""
+    if not zipfile.is_zipfile(path):
+        try:
+            with open(path, "rb") as f:
+                head = f.read(2)
+        except OSError as err:
+            raise CheckpointError(f"{path} could not be read: {err}.") from None
+        if head[:1] == b"\x80":  # a legacy (non-zip) torch.save file; weights_only still applies
+            return
+        raise CheckpointError(f"{path} is not a checkpoint file (not a zip archive): it is truncated or damaged.")
+    if not checksums:
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        raise CheckpointError(f"{path} is damaged ({err}); it was not loaded.") from None
+    if bad is not None:
+        raise CheckpointError(f"{path} is damaged: its member {bad!r} fails its CRC check; it was not loaded.")

@@ -1,0 +1,173 @@
+"""``MeshStrategy``: Lightning's process, rank and collective hooks for a data-parallel ``DeviceMesh``.
+
+The half of the strategy that has nothing to do with sharding a model: it starts the processes (through the
+failure-relaying launcher), joins the process group, builds the replicate × shard mesh, tells Lightning how to split
+the data, and runs the collectives every LightningModule may call, each guarded by
+:func:`~lightning_fsdp.resilience.collective`. :class:`~lightning_fsdp.strategy.FSDPCustomStrategy` adds the model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import group as lightning_group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_fsdp import _torch_compat as compat
+from lightning_fsdp.parallel import mesh as mesh_utils
+from lightning_fsdp.parallel import process_group
+from lightning_fsdp.resilience import Resilience, collective
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class MeshStrategy(ParallelStrategy):
+    """Processes, ranks, the data-parallel mesh and collectives. ``resilience`` handles failures between ranks."""
+
+    def __init__(
+        self,
+        resilience: Resilience,
+        replicate_size: mesh_utils.SizeArg = 1,
+        shard_size: mesh_utils.SizeArg = "auto",
+        process_group_backend: Optional[str] = None,
+        **kwargs: Any,
+    ) -> None:
+        mesh_utils.check_size("replicate_size", replicate_size)
+        mesh_utils.check_size("shard_size", shard_size)
+        process_group.check_backend(process_group_backend)
+        self.resilience = resilience
+        super().__init__(**kwargs)
+        self.replicate_size = replicate_size
+        self.shard_size = shard_size
+        self.num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._mesh_shape: Optional[mesh_utils.MeshShape] = None
+        self._device_mesh: Optional[DeviceMesh] = None
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to inject a ``DistributedSampler`` (it only knows its own strategy classes)."""
+        return True
+
+    @property
+    def mesh_shape(self) -> mesh_utils.MeshShape:
+        if self._mesh_shape is None:
+            self._mesh_shape = mesh_utils.resolve_mesh_shape(
+                self.replicate_size, self.shard_size, self.num_nodes * self.num_processes, self.num_nodes
+            )
+        return self._mesh_shape
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError(f"{type(self).__name__}.device_mesh is only available after the process group is set up.")
+        return self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every data-parallel rank (replicas × shards) reads different data."""
+        if self._device_mesh is None:
+            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        return {"num_replicas": self.mesh_shape.world_size, "rank": mesh_utils.data_parallel_rank(self._device_mesh)}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        """Called by the Trainer before any process starts: the mesh sizes are validated here, early."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        if self.parallel_devices:
+            self._mesh_shape = None
+            _ = self.mesh_shape
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = self.resilience.make_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or process_group.default_backend(self.root_device)
+        assert self.cluster_environment is not None
+        compat.init_dist_connection(  # `timeout` applies to every group once all ranks have joined (resilience.start)
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=self.resilience.rendezvous_timeout,
+            device_id=self.root_device if self.root_device.type == "cuda" else None,
+        )
+        strategy = weakref.ref(self)  # the hook must not keep the model (and its process groups) alive until exit
+        process_group.destroy_process_group_at_exit(keep_if=lambda: (s := strategy()) is not None and s.resilience.failing)
+        self._device_mesh = mesh_utils.build_device_mesh(self.mesh_shape, self.root_device.type)
+        compat.give_module_device_mesh(self.lightning_module, self._device_mesh)  # `configure_model` may use it
+        self.resilience.start(self._device_mesh)
+
+    # -- collectives ---------------------------------------------------------------------------------------------------
+    @override
+    @collective("all_gather")
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    @collective("barrier({name!r})")
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not compat.distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    @collective("broadcast (from rank {src})")
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not compat.distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src, group=lightning_group.WORLD)
+        return holder[0]
+
+    @override
+    @collective("all_reduce ({reduce_op})")
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.resilience.teardown()

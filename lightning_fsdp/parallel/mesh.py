@@ -1,0 +1,115 @@
+"""The data-parallel mesh: sizes validated at the edge, with errors that show the arithmetic.
+
+Plain functions of their arguments, so they are tested without a process group; only :func:`build_device_mesh`
+needs one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Union
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+SizeArg = Union[int, Literal["auto"]]
+
+REPLICATE_DIM = "dp_replicate"
+SHARD_DIM = "dp_shard"
+
+
+def check_size(name: str, value: SizeArg) -> None:
+    """A mesh size argument is a positive int, or ``-1``/``"auto"`` (inferred); anything else is a ``ValueError``."""
+    if value == "auto" or value == -1:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, -1 or 'auto', got {value!r}.")
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The data-parallel mesh: ``replicate`` copies of the model, each sharded over ``shard`` ranks.
+
+    ``replicate == 1`` is plain FSDP (a 1-D mesh); ``replicate > 1`` is HSDP (a 2-D mesh: gradients are
+    reduce-scattered within a shard group and all-reduced across replicas).
+    """
+
+    replicate: int
+    shard: int
+
+    def __post_init__(self) -> None:
+        for name in ("replicate", "shard"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MeshShape.{name} must be a positive int, got {value!r}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.shard
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.replicate > 1
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return (REPLICATE_DIM, SHARD_DIM) if self.is_hybrid else (SHARD_DIM,)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (self.replicate, self.shard) if self.is_hybrid else (self.shard,)
+
+
+def resolve_mesh_shape(
+    replicate_size: SizeArg, shard_size: SizeArg, world_size: int, num_nodes: int = 1
+) -> MeshShape:
+    """Turn the user's mesh sizes into concrete ones, or raise showing ``replicate × shard`` against the world size.
+
+    ``"auto"`` (or ``-1``) for ``replicate_size`` means one replica per node (HSDP across nodes); for
+    ``shard_size`` it means "whatever is left": ``world_size // replicate``.
+    """
+    check_size("replicate_size", replicate_size)
+    check_size("shard_size", shard_size)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    replicate_auto = replicate_size in ("auto", -1)
+    shard_auto = shard_size in ("auto", -1)
+    replicate = max(num_nodes, 1) if replicate_auto else int(replicate_size)
+    if shard_auto:
+        if world_size % replicate != 0:
+            raise ValueError(
+                f"replicate_size={replicate} does not divide the world size {world_size}"
+                f" ({num_nodes} node(s)); choose a replicate_size that divides {world_size},"
+                " or set shard_size explicitly."
+            )
+        shard = world_size // replicate
+    else:
+        shard = int(shard_size)
+        if replicate_auto and replicate * shard != world_size:
+            if world_size % shard != 0:
+                raise ValueError(
+                    f"shard_size={shard} does not divide the world size {world_size};"
+                    f" choose shard_size from the divisors of {world_size}."
+                )
+            replicate = world_size // shard
+    if replicate * shard != world_size:
+        raise ValueError(
+            f"The data-parallel mesh does not fit the world: replicate_size × shard_size = {replicate} × {shard}"
+            f" = {replicate * shard}, but WORLD_SIZE = {world_size} (num_nodes × devices)."
+            " Make the product equal the number of processes, e.g. set shard_size='auto'."
+        )
+    return MeshShape(replicate=replicate, shard=shard)
+
+
+def build_device_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
+    """Create the mesh over the already-initialised default process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, shape.sizes, mesh_dim_names=shape.dim_names)
+
+
+def data_parallel_rank(mesh: DeviceMesh) -> int:
+    """This rank's position among all data-parallel ranks (replica-major), for the DistributedSampler."""
+    if mesh.ndim == 1:
+        return mesh.get_local_rank()
+    return mesh.get_local_rank(REPLICATE_DIM) * mesh.size(1) + mesh.get_local_rank(SHARD_DIM)

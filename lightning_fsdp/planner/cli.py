@@ -1,0 +1,135 @@
+"""``lightning-fsdp estimate``: the plan for a model on a world size, mesh, precision and offload choice."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from typing import Any, Optional
+
+from lightning_fsdp.formatting import format_bytes, format_count, parse_bytes
+from lightning_fsdp.planner.advice import DEFAULT_HEADROOM, Verdict, verdict
+from lightning_fsdp.planner.estimate import OPTIMIZER_STATES, PRECISION_BYTES, Estimate, PlanOptions, estimate
+from lightning_fsdp.planner.geometry import GPTDims, ModelSpec, gpt_model_spec
+from lightning_fsdp.planner.sources import load_config, spec_from_checkpoint, spec_from_config
+from lightning_fsdp.precision import normalize_precision
+
+
+def format_estimate(spec: ModelSpec, est: Estimate, v: Optional[Verdict] = None) -> str:
+    o = est.options
+    mesh = f"{o.replicate} × {o.shard}" if o.strategy == "fsdp" else f"{o.world_size} replicas"
+    lines = [
+        f"model {spec.name}: {format_count(spec.numel)} parameters in {len(spec.units)} units"
+        f" (largest block {format_count(max((u.numel for u in spec.blocks), default=0))}, root {format_count(spec.root.numel)})",
+        f"strategy {o.strategy}, world {o.world_size} (mesh replicate × shard = {mesh}), precision {o.precision},"
+        f" optimizer {o.optimizer}, cpu_offload={o.cpu_offload}, activation checkpointing={o.activation_checkpointing}",
+        "",
+        "| per rank (rank 0, the largest shard) | bytes | |",
+        "|---|---:|---|",
+        f"| parameters | {format_bytes(est.params)} | |",
+        f"| gradients | {format_bytes(est.grads)} | |",
+        f"| optimizer state | {format_bytes(est.optimizer)} | {OPTIMIZER_STATES[o.optimizer]} state(s) per parameter |",
+        f"| = sharded state | {format_bytes(est.state)} | ideal state / {est.shard} = {format_bytes(est.ideal_state)} |",
+        f"| gathered params (root + unit + prefetch) | {format_bytes(est.gathered)} | |",
+        f"| unsharded grads before reduce-scatter | {format_bytes(est.unsharded_grads)} | |",
+    ]
+    if est.comm_buffers:
+        lines.append(f"| DDP gradient buckets | {format_bytes(est.comm_buffers)} | |")
+    act_note = "" if spec.gpt is not None else "unknown for non-GPT models: not included"
+    lines.append(f"| activations (batch {o.batch_size}) | {format_bytes(est.activations)} | {act_note} |")
+    lines.append(f"| **device peak** | **{format_bytes(est.device)}** | |")
+    if est.host:
+        lines.append(f"| host (offloaded state) | {format_bytes(est.host)} | |")
+    if v is not None:
+        lines.append("")
+        state = "FITS" if v.fits else "DOES NOT FIT"
+        lines.append(f"verdict: {state} — needs {format_bytes(v.needed)} of {format_bytes(v.usable)} usable ({format_bytes(v.budget)} minus headroom)")
+        lines += [f"  - {a}" for a in v.advice]
+    return "\n".join(lines)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lightning-fsdp estimate",
+        description="Each rank's expected memory for training a model with fsdp_custom (or ddp), before launching.",
+    )
+    src = p.add_argument_group("model (one of)")
+    src.add_argument("--config", help="Hydra model config: a YAML path or `group=option` (e.g. model=gpt_5m)")
+    src.add_argument("--checkpoint", help="a sharded checkpoint directory or a .ckpt/.pt/.safetensors file")
+    src.add_argument("--layers", type=int, help="GPT: number of blocks")
+    src.add_argument("--width", type=int, help="GPT: d_model")
+    src.add_argument("--vocab", type=int, default=None, help="GPT: vocabulary size")
+    src.add_argument("--heads", type=int, default=None, help="GPT: attention heads (for activations)")
+    src.add_argument("--seq", type=int, default=None, help="sequence length (overrides the model's)")
+    src.add_argument("--mlp-ratio", type=float, default=4.0)
+    src.add_argument("--untied", action="store_true", help="GPT: LM head not tied to the embedding")
+    run = p.add_argument_group("training setup")
+    run.add_argument("--world-size", "-n", type=int, default=1)
+    run.add_argument("--replicate", type=int, default=1, help="HSDP replicas (mesh replicate × shard)")
+    run.add_argument("--precision", default="32-true", help=f"one of {sorted(PRECISION_BYTES)}")
+    run.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
+    run.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp", "single"])
+    run.add_argument("--cpu-offload", action="store_true")
+    run.add_argument("--batch-size", type=int, default=1, help="per rank")
+    run.add_argument("--activation-checkpointing", action="store_true")
+    run.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
+    run.add_argument("--device-memory", help="per-rank memory to check against, e.g. 80GiB, 24GB, 512MiB")
+    run.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="share of device memory kept free")
+    run.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    return p
+
+
+def resolve_spec(args: argparse.Namespace) -> ModelSpec:
+    """The model the command line describes (exactly one source)."""
+    sources = [s for s in ("config", "checkpoint", "layers") if getattr(args, s) is not None]
+    if len(sources) != 1:
+        raise ValueError("Describe the model with exactly one of --config, --checkpoint or --layers/--width/--vocab.")
+    if args.config is not None:
+        cfg = load_config(args.config)
+        spec = spec_from_config(cfg, name=args.config)
+    elif args.checkpoint is not None:
+        spec = spec_from_checkpoint(args.checkpoint, args.heads, args.seq)
+    else:
+        if args.width is None or args.vocab is None:
+            raise ValueError("--layers needs --width and --vocab (and --heads, --seq for the activation estimate).")
+        heads = args.heads or max(1, args.width // 64)
+        dims = GPTDims(
+            n_layer=args.layers, d_model=args.width, n_head=heads, vocab_size=args.vocab,
+            seq_len=args.seq or 1024, mlp_ratio=args.mlp_ratio, tie_weights=not args.untied,
+        )
+        spec = gpt_model_spec(dims, f"gpt L{args.layers} d{args.width} V{args.vocab}")
+    if spec.gpt is not None and args.seq is not None:
+        spec = replace(spec, gpt=replace(spec.gpt, seq_len=args.seq))
+    return spec
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``lightning-fsdp estimate``: print the per-rank plan and, with ``--device-memory``, a verdict and advice."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        spec = resolve_spec(args)
+        options = PlanOptions(
+            world_size=args.world_size, replicate=args.replicate, precision=normalize_precision(args.precision),
+            optimizer=args.optimizer, cpu_offload=args.cpu_offload, strategy=args.strategy,
+            batch_size=args.batch_size, seq_len=args.seq, activation_checkpointing=args.activation_checkpointing,
+            attention=args.attention,
+        )
+        est = estimate(spec, options)
+        v = verdict(spec, options, parse_bytes(args.device_memory), headroom=args.headroom) if args.device_memory else None
+    except (ValueError, FileNotFoundError) as err:
+        print(f"lightning-fsdp estimate: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        out: dict[str, Any] = {"model": spec.name, "numel": spec.numel, **est.as_dict()}
+        if v is not None:
+            out["verdict"] = asdict(v)
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_estimate(spec, est, v))
+    return 0 if v is None or v.fits else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,239 @@
+"""The plan: each rank's bytes of sharded state, gathered units, unsharded gradients and activations.
+
+Byte sizes per precision come from the package's one precision table (:data:`lightning_fsdp.precision.PRECISIONS`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from lightning_fsdp.planner.geometry import GPTDims, ModelSpec
+from lightning_fsdp.precision import PRECISIONS, normalize_precision
+
+#: precision → (bytes of the stored params/grads/optimizer state, bytes of compute (gathered params, activations))
+PRECISION_BYTES: dict[str, tuple[int, int]] = {
+    name: (spec.stored_bytes, spec.compute_bytes) for name, spec in PRECISIONS.items()
+}
+
+#: tensors of optimizer state per parameter (each the size of the parameter shard, in its stored dtype)
+OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_nomomentum": 0, "none": 0}
+
+
+# -- sharding arithmetic --------------------------------------------------------------------------------------------
+def shard_rows(dim0: int, shards: int, rank: int = 0) -> int:
+    """Rows of a ``dim0``-row tensor on ``rank`` when split like ``torch.chunk`` (FSDP2's dim-0 sharding)."""
+    if shards < 1 or not 0 <= rank < shards:
+        raise ValueError(f"rank {rank} is outside a shard group of {shards}.")
+    chunk = -(-dim0 // shards)
+    return max(0, min(chunk, dim0 - rank * chunk))
+
+
+def sharded_numel(shape: Sequence[int], shards: int, rank: int = 0) -> int:
+    """Elements of one parameter's local shard on ``rank`` (scalars are replicated)."""
+    if not shape:
+        return 1
+    return shard_rows(shape[0], shards, rank) * math.prod(shape[1:])
+
+
+def padded_numel(shape: Sequence[int], shards: int) -> int:
+    """Elements FSDP2 allocates per rank for one parameter: the shard padded to the full chunk."""
+    if not shape:
+        return 1
+    return -(-shape[0] // shards) * math.prod(shape[1:])
+
+
+# -- the plan --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanOptions:
+    """How the model is trained: the choices the estimate depends on.
+
+    ``world_size`` ranks form ``replicate`` replicas, each sharded over ``world_size / replicate`` ranks (HSDP when
+    ``replicate > 1``). ``batch_size`` is per rank. ``strategy="ddp"`` keeps full copies (plus DDP's gradient
+    buckets); ``"single"`` is one process without a process group.
+    """
+
+    world_size: int = 1
+    replicate: int = 1
+    precision: str = "32-true"
+    optimizer: str = "adamw"
+    cpu_offload: bool = False
+    strategy: str = "fsdp"
+    batch_size: int = 1
+    seq_len: Optional[int] = None
+    activation_checkpointing: bool = False
+    prefetch: int = 1
+    attention: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.replicate < 1 or self.world_size % self.replicate:
+            raise ValueError(
+                f"replicate={self.replicate} must divide world_size={self.world_size} (replicate × shard = world size)."
+            )
+        normalize_precision(self.precision)
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer={self.optimizer!r}: choose one of {sorted(OPTIMIZER_STATES)}.")
+        if self.strategy not in ("fsdp", "ddp", "single"):
+            raise ValueError(f"strategy={self.strategy!r}: choose 'fsdp', 'ddp' or 'single'.")
+        if self.strategy == "single" and self.world_size != 1:
+            raise ValueError("strategy='single' is one process: use world_size=1.")
+        if self.attention not in ("sdpa", "eager"):
+            raise ValueError(f"attention={self.attention!r}: choose 'sdpa' (fused, no s² scores kept) or 'eager'.")
+        if self.batch_size < 1 or self.prefetch < 0:
+            raise ValueError("batch_size must be >= 1 and prefetch >= 0.")
+
+    @property
+    def shard(self) -> int:
+        return self.world_size // self.replicate if self.strategy == "fsdp" else 1
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Expected bytes on the most loaded rank (rank 0). ``host`` holds what CPU offload moves off the device."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+    unsharded_grads: int
+    comm_buffers: int
+    activations: int
+    host: int
+    unsharded_state: int
+    shard: int
+    options: PlanOptions = field(compare=False)
+    model_numel: int = 0
+
+    @property
+    def state(self) -> int:
+        """Sharded training state on this rank: params + grads + optimizer state."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def ideal_state(self) -> int:
+        """The unsharded state divided evenly: what perfect sharding would leave each rank."""
+        return self.unsharded_state // self.shard
+
+    @property
+    def device(self) -> int:
+        """Peak bytes on the accelerator (or in process memory on CPU, where ``host`` is added)."""
+        resident = 0 if self.options.cpu_offload else self.state
+        return resident + self.gathered + self.unsharded_grads + self.comm_buffers + self.activations
+
+    @property
+    def peak(self) -> int:
+        """Everything this rank holds at its peak, wherever it lives (``device + host``)."""
+        return self.device + self.host
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "options"}
+        out.update(state=self.state, ideal_state=self.ideal_state, device=self.device, peak=self.peak)
+        out["options"] = asdict(self.options)
+        return out
+
+
+def state_bytes(spec: ModelSpec, options: PlanOptions, rank: int = 0) -> tuple[int, int, int]:
+    """Local (params, grads, optimizer) bytes on ``rank`` of its shard group: ``torch.chunk`` rows, no padding.
+
+    This is what :func:`lightning_fsdp.memory.local_state_bytes` measures (``DTensor.to_local()``).
+    """
+    stored, _ = PRECISION_BYTES[normalize_precision(options.precision)]
+    shard = options.shard
+    numel = [sharded_numel(p.shape, shard, rank) for p in spec.params]
+    trainable = sum(n for n, p in zip(numel, spec.params) if p.trainable)
+    params = sum(numel) * stored
+    grads = trainable * stored
+    optimizer = OPTIMIZER_STATES[options.optimizer] * trainable * stored
+    return params, grads, optimizer
+
+
+def estimate(spec: ModelSpec, options: PlanOptions) -> Estimate:
+    """Each rank's expected peak bytes for training ``spec`` under ``options`` (see the module docstring)."""
+    stored, compute = PRECISION_BYTES[normalize_precision(options.precision)]
+    mixed = options.precision.endswith("-mixed")
+    reduce_bytes = stored if mixed else compute
+    params, grads, optimizer = state_bytes(spec, options, rank=0)
+    full_trainable = sum(p.numel for p in spec.params if p.trainable)
+    unsharded_state = (spec.numel + (1 + OPTIMIZER_STATES[options.optimizer]) * full_trainable) * stored
+
+    gathered = unsharded_grads = comm = 0
+    if options.strategy == "fsdp":
+        largest = max((u.numel for u in spec.blocks), default=0)
+        root_trainable = sum(p.numel for p in spec.root.params if p.trainable)
+        largest_trainable = max((sum(p.numel for p in u.params if p.trainable) for u in spec.blocks), default=0)
+        # root stays gathered from forward into backward; one unit runs while the next is prefetched
+        gathered = (spec.root.numel + (1 + options.prefetch) * largest) * compute
+        # gradients exist unsharded until their unit's reduce-scatter: the root's for all of backward, plus one unit
+        unsharded_grads = (root_trainable + largest_trainable) * reduce_bytes
+    elif options.strategy == "ddp":
+        comm = full_trainable * reduce_bytes  # DDP's gradient buckets are a second copy of the gradients
+
+    activations = activation_bytes(spec, options)
+    host = params + grads + optimizer if options.cpu_offload else 0
+    return Estimate(
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        gathered=gathered,
+        unsharded_grads=unsharded_grads,
+        comm_buffers=comm,
+        activations=activations,
+        host=host,
+        unsharded_state=unsharded_state,
+        shard=options.shard,
+        options=options,
+        model_numel=spec.numel,
+    )
+
+
+def gpt_activation_bytes(
+    dims: GPTDims,
+    batch_size: int,
+    seq_len: Optional[int] = None,
+    *,
+    compute_bytes: int = 4,
+    activation_checkpointing: bool = False,
+    attention: str = "sdpa",
+) -> int:
+    """Bytes autograd keeps between forward and backward for one rank's batch of a GPT decoder.
+
+    Per token and layer, in ``d = d_model`` elements of the compute dtype: the block input and LayerNorm-1 output
+    (2d), the fused q|k|v projection (3d), the attention output and the projection's input (2d: a copy unless
+    the kernel's layout lets the re-shape be a view, which saves d), the LayerNorm-2 input and output (2d), the
+    MLP hidden before and after GELU (2·r·d) — ``(9 + 2r)·d`` — plus fp32 statistics: two per LayerNorm and the
+    attention's per-head log-sum-exp. Rotary embeddings add the rotated q and k (2d). Eager attention keeps its
+    scores and probabilities instead of the log-sum-exp (``2·h·s`` per token).
+    With activation checkpointing each block keeps only its input, and one block is recomputed at a time.
+    Outside the blocks: the embedding sum and final norm (2d), and the logits in the compute dtype plus the
+    fp32 copy, log-softmax and its gradient that cross entropy holds (``V·(p + 12)`` bytes when ``p < 4``).
+    """
+    s = seq_len or dims.seq_len
+    tokens = batch_size * s
+    d, r, p = dims.d_model, dims.mlp_ratio, compute_bytes
+    stats = 4 * 4 + (0 if attention == "eager" else dims.n_head * 4)
+    elements = int((9 + 2 * r) * d) + (2 * d if dims.rotary else 0)
+    per_layer = elements * p + stats + (2 * dims.n_head * s * p if attention == "eager" else 0)
+    if activation_checkpointing:
+        blocks = dims.n_layer * d * p + per_layer
+    else:
+        blocks = dims.n_layer * per_layer
+    logits = dims.vocab_size * (p + (4 if p < 4 else 0) + 4 + 4)
+    outside = 2 * d * p + logits
+    return int(tokens * (blocks + outside))
+
+
+def activation_bytes(spec: ModelSpec, options: PlanOptions) -> int:
+    """Activation estimate for GPT-like models; ``0`` (reported as unknown) for other architectures."""
+    if spec.gpt is None:
+        return 0
+    _, compute = PRECISION_BYTES[normalize_precision(options.precision)]
+    return gpt_activation_bytes(
+        spec.gpt,
+        options.batch_size,
+        options.seq_len,
+        compute_bytes=compute,
+        activation_checkpointing=options.activation_checkpointing,
+        attention=options.attention,
+    )

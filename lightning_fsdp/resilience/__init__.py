@@ -1,0 +1,186 @@
+"""Agreement between ranks when something goes wrong, so that a sharded job ends promptly or resumes exactly.
+
+A sharded step is a chain of collectives: when one rank stops taking part (an exception, a signal, a NaN it alone
+saw, one batch fewer), the others wait in the next collective until the process-group timeout. Every mechanism
+here makes the ranks *agree* first:
+
+==========================  ==========================================================================================
+:mod:`.relay`               a rank's exception reaches every rank through the rendezvous store within seconds
+:mod:`.launcher`            Lightning's launcher, telling the relay first; :mod:`.children` reaps spawned ranks
+:mod:`.preemption`          SIGTERM/SIGUSR1 → agreed save of ``last`` → exit :data:`PREEMPTED_EXIT_CODE` (requeue)
+:mod:`.nonfinite`           a NaN/inf loss or gradient norm on any rank skips the step on every rank
+:mod:`.batches`             ranks with different numbers of batches all fail together; mid-epoch resume
+:mod:`.timeouts`            a timed-out collective names the operation, the rank and the timeout
+:mod:`.callback`            the step-boundary callback; :class:`SafeOnExceptionCheckpoint`
+==========================  ==========================================================================================
+
+:class:`Resilience` is the facade the strategy holds; :func:`collective` is the one mechanism that guards a
+strategy hook: the failure gate before it and named timeouts around it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
+
+import torch
+import torch.distributed as dist
+
+from lightning_fsdp._torch_compat import batches_processed
+from lightning_fsdp.parallel.collectives import is_distributed
+from lightning_fsdp.parallel.grad_norm import StepGradNorm
+from lightning_fsdp.parallel.process_group import apply_timeout
+from lightning_fsdp.resilience.batches import AgreedLoader, check_equal_batches, uneven_batches_message
+from lightning_fsdp.resilience.callback import ResilienceCallback, SafeOnExceptionCheckpoint, last_checkpoint_path
+from lightning_fsdp.resilience.errors import (
+    PEER_FAILED_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    AgreedError,
+    CollectiveTimeoutError,
+    NonFiniteStepsError,
+    PartialFailureError,
+    Preempted,
+    UnevenBatchesError,
+)
+from lightning_fsdp.resilience.launcher import ResilientLauncher
+from lightning_fsdp.resilience.nonfinite import NonFiniteGuard
+from lightning_fsdp.resilience.preemption import Preemption, preemption_requested
+from lightning_fsdp.resilience.relay import FailureRelay
+from lightning_fsdp.resilience.timeouts import is_timeout_error, naming_timeouts, timeout_message
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import ClusterEnvironment
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "PEER_FAILED_EXIT_CODE",
+    "PREEMPTED_EXIT_CODE",
+    "AgreedError",
+    "AgreedLoader",
+    "CollectiveTimeoutError",
+    "NonFiniteStepsError",
+    "PartialFailureError",
+    "Preempted",
+    "Resilience",
+    "SafeOnExceptionCheckpoint",
+    "UnevenBatchesError",
+    "check_equal_batches",
+    "collective",
+    "is_timeout_error",
+    "last_checkpoint_path",
+    "preemption_requested",
+    "timeout_message",
+    "uneven_batches_message",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_STAGE_NAMES = {"train": "training", "val": "validation", "test": "test", "predict": "predict"}
+
+
+class Resilience:
+    """Everything :class:`~lightning_fsdp.strategy.FSDPCustomStrategy` delegates about failures, in one object."""
+
+    def __init__(
+        self,
+        timeout: timedelta,
+        skip_nonfinite_steps: bool,
+        max_nonfinite_steps: int,
+        grad_norm: Optional[StepGradNorm] = None,
+    ) -> None:
+        self.timeout = timeout
+        self.relay = FailureRelay()
+        self.preemption = Preemption(failing=lambda: self.relay.handling is not None)
+        guard = NonFiniteGuard(max_nonfinite_steps, grad_norm)  # validates max_nonfinite_steps either way
+        self.nonfinite = guard if skip_nonfinite_steps else None
+
+    @property
+    def failing(self) -> bool:
+        """This rank is handling its own exception (collectives and group teardown could wait on peers)."""
+        return self.relay.handling is not None
+
+    def make_launcher(
+        self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int
+    ) -> ResilientLauncher:
+        return ResilientLauncher(cluster_environment, num_processes, num_nodes, self.relay)
+
+    @property
+    def rendezvous_timeout(self) -> timedelta:
+        """How long ranks may take to *join* the process group: at least PyTorch's 30-minute default, so that a
+        short collective ``timeout`` (to detect hangs early) does not fail a job whose processes start slowly."""
+        return max(self.timeout, timedelta(minutes=30))
+
+    def start(self, mesh: Optional[DeviceMesh]) -> None:
+        """After the process group and mesh exist: give every group the collective timeout, start watching."""
+        if not is_distributed():
+            return
+        apply_timeout(dist.group.WORLD, mesh, self.timeout)
+        self.relay.start(dist.get_rank(), dist.get_world_size())
+
+    def attach(self, trainer: pl.Trainer) -> None:
+        """Add the callback that runs the step-boundary agreements (once per Trainer)."""
+        if not any(isinstance(cb, ResilienceCallback) for cb in trainer.callbacks):
+            trainer.callbacks.append(ResilienceCallback(self))
+
+    def teardown(self) -> None:
+        self.preemption.uninstall()
+        self.relay.finish()
+
+    def process_dataloader(self, dataloader: Any, trainer: Optional[pl.Trainer], device: torch.device) -> Any:
+        if isinstance(dataloader, AgreedLoader) or trainer is None:
+            return dataloader
+
+        def progress() -> tuple[int, Any]:
+            return batches_processed(trainer), trainer.num_training_batches
+
+        prefix = getattr(trainer.state.stage, "dataloader_prefix", None) or ""
+        return AgreedLoader(dataloader, progress, device, stage=_STAGE_NAMES.get(prefix, "training"))
+
+    @contextmanager
+    def around_collective(self, operation: Callable[[], str], gate: bool = True) -> Iterator[None]:
+        """The failure gate before a collective (``gate``), named timeouts around it."""
+        if gate and self.relay.handling is not None:
+            self.relay.gate(operation())
+        with naming_timeouts(operation, self.timeout):
+            yield
+
+    def wrap_closure(
+        self, closure: Callable[[], Any], optimizer: Any, trainer: Optional[pl.Trainer], has_scaler: bool
+    ) -> Callable[[], Any]:
+        """With a loss scaler (16-mixed), inf gradients are expected and the scaler skips those steps itself: only
+        the loss is checked then."""
+        if self.nonfinite is None:
+            return closure
+        return self.nonfinite.wrap(closure, optimizer, trainer, check_grads=not has_scaler)
+
+
+def collective(operation: Union[str, Callable[..., str]], *, gate: bool = True) -> Callable[[F], F]:
+    """Guard a strategy hook that runs collectives (the strategy has a ``resilience`` attribute).
+
+    ``operation`` names it in errors: a format string over the hook's arguments (``"barrier({name!r})"``) or a
+    function of them. It is formatted only when a failure or timeout happens, so the hot path pays nothing for it.
+    ``gate=False`` for hooks that run inside the step itself (there is no failure to gate on yet).
+    """
+
+    def decorate(method: F) -> F:
+        signature = inspect.signature(method)
+
+        @functools.wraps(method)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            def describe() -> str:
+                if callable(operation):
+                    return operation(*args, **kwargs)
+                bound = signature.bind(self, *args, **kwargs)
+                bound.apply_defaults()
+                return operation.format(**bound.arguments)
+
+            with self.resilience.around_collective(describe, gate=gate):
+                return method(self, *args, **kwargs)
+
+        return guarded  # type: ignore[return-value]
+
+    return decorate

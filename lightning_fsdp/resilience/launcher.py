@@ -1,0 +1,37 @@
+"""Lightning's script launcher, plus: a rank's exception reaches every rank before any hook runs, and rank 0 reaps
+the ranks it spawned. Used under torchrun/SLURM too (then it spawns nothing)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from typing_extensions import override
+
+from lightning_fsdp._torch_compat import SubprocessScriptLauncher, set_num_threads_if_needed, start_local_ranks
+from lightning_fsdp.resilience.relay import FailureRelay
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import ClusterEnvironment
+
+
+class ResilientLauncher(SubprocessScriptLauncher):
+    """See the module docstring; ``relay`` is told about the exception first, then it propagates as usual."""
+
+    def __init__(
+        self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int, relay: FailureRelay
+    ) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self._relay = relay
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._relay.watch_children(start_local_ranks(self))
+        set_num_threads_if_needed(num_processes=self.num_processes)
+        try:
+            return function(*args, **kwargs)
+        except BaseException as exc:
+            self._relay.on_exception(exc)
+            raise

@@ -1,0 +1,66 @@
+"""How a failure is shown: one line per rank on stderr, and the original traceback printed once.
+
+A rank that fails for a reason another rank reports in full is *marked*: at exit it prints a one-line note instead
+of a second copy of the traceback (:func:`mark`). Installing the excepthook is that mark's side effect, and only
+then is ``sys.excepthook`` replaced.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any, Optional
+
+from lightning_fsdp.parallel.collectives import launch_rank
+
+_NOTE_ATTR = "_lightning_fsdp_note"
+_previous_excepthook = sys.excepthook
+
+
+def say(message: str, rank: Optional[int] = None) -> None:
+    """One line on stderr, flushed at once (the process may end right after)."""
+    sys.stderr.write(f"[rank {launch_rank() if rank is None else rank}] {message}\n")
+    sys.stderr.flush()
+
+
+def summary(exc: BaseException) -> str:
+    """``Type: first line of the message``, at most 300 characters."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+def print_traceback(exc: BaseException, rank: int) -> None:
+    """The traceback now, in torch's per-rank format: once the peers have ended, a launcher (torchrun's agent,
+    ``srun --kill-on-bad-exit``) may kill this process before Python would print it at exit."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip("\n")
+    sys.stderr.write("\n".join(f"[rank{rank}]: {line}" for line in text.split("\n")) + "\n")
+    sys.stderr.flush()
+    mark(exc, f"{summary(exc)} (the traceback above, printed when it was raised)")
+
+
+def is_marked(exc: BaseException) -> bool:
+    return bool(getattr(exc, _NOTE_ATTR, None))
+
+
+def mark(exc: BaseException, note: str) -> None:
+    """At exit, print ``note`` instead of ``exc``'s traceback (already shown, or shown by another rank)."""
+    try:
+        setattr(exc, _NOTE_ATTR, note)
+    except (AttributeError, TypeError):
+        return
+    _install_excepthook()
+
+
+def _excepthook(exc_type: type, exc: BaseException, tb: Any) -> None:
+    note = getattr(exc, _NOTE_ATTR, None)
+    if note:
+        say(note)
+        return
+    _previous_excepthook(exc_type, exc, tb)
+
+
+def _install_excepthook() -> None:
+    global _previous_excepthook
+    if sys.excepthook is not _excepthook:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _excepthook

@@ -1,0 +1,49 @@
+"""Which modules become FSDP units, and applying FSDP2 to a model (no Trainer needed).
+
+==========================  ==========================================================================================
+:mod:`.policy`              the policy forms, validated (:func:`validate_policy`) and resolved to one predicate
+:mod:`.units`               the post-order walk that picks units (tied weights, containers, user-sharded modules)
+:mod:`.parallelize`         activation checkpointing → ``fully_shard`` bottom-up → the root, in that fixed order
+:mod:`.materialize`         meta-device models: parameters on meta and real buffers while building, then each rank
+                            allocates and initialises only its shards (pluggable initialisers)
+==========================  ==========================================================================================
+"""
+
+from lightning_fsdp.sharding.materialize import (
+    DEFAULT_RULES,
+    InitRule,
+    has_meta_tensors,
+    materialize_meta_module,
+    parameters_on_meta,
+    reset_parameters_rule,
+)
+from lightning_fsdp.sharding.parallelize import ShardingPlan, apply_activation_checkpointing, parallelize, shard_model
+from lightning_fsdp.sharding.policy import (
+    AUTO,
+    UnitPolicy,
+    WrapPolicy,
+    find_repeated_block_classes,
+    resolve_policy,
+    validate_policy,
+)
+from lightning_fsdp.sharding.units import select_units
+
+__all__ = [
+    "AUTO",
+    "DEFAULT_RULES",
+    "InitRule",
+    "ShardingPlan",
+    "UnitPolicy",
+    "WrapPolicy",
+    "apply_activation_checkpointing",
+    "find_repeated_block_classes",
+    "has_meta_tensors",
+    "materialize_meta_module",
+    "parallelize",
+    "parameters_on_meta",
+    "reset_parameters_rule",
+    "resolve_policy",
+    "select_units",
+    "shard_model",
+    "validate_policy",
+]

@@ -1,0 +1,100 @@
+"""Apply a sharding plan to a model in the one order that works: activation checkpointing → ``fully_shard`` each
+unit bottom-up → the root.
+
+Every function takes ``(model, mesh, options)`` and returns what it did, so it is usable and testable without a
+Trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from torch import nn
+
+from lightning_fsdp._torch_compat import composable_checkpoint
+from lightning_fsdp.sharding.policy import WrapPolicy, validate_policy
+from lightning_fsdp.sharding.units import select_units
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """How a model is sharded (the strategy builds it from its constructor arguments)."""
+
+    wrap_policy: WrapPolicy = "auto"
+    activation_checkpointing: WrapPolicy = None
+    mp_policy: Optional[MixedPrecisionPolicy] = None
+    offload_policy: Optional[OffloadPolicy] = None
+    reshard_after_forward: Union[bool, int] = True
+
+    def __post_init__(self) -> None:
+        validate_policy(self.wrap_policy, "auto_wrap_policy")
+        validate_policy(self.activation_checkpointing, "activation_checkpointing_policy")
+        if not isinstance(self.reshard_after_forward, (bool, int)):
+            raise TypeError(f"`reshard_after_forward` must be a bool or an int, got {self.reshard_after_forward!r}.")
+
+
+def apply_activation_checkpointing(model: nn.Module, policy: WrapPolicy) -> list[str]:
+    """Recompute the selected modules' activations in backward. Returns the names checkpointed.
+
+    Uses the composable ``checkpoint`` API, which keeps parameter names (and so checkpoints) unchanged.
+    """
+    if policy is None or policy is False:
+        return []
+    names = select_units(model, policy, arg_name="activation_checkpointing_policy")
+    modules = dict(model.named_modules())
+    for name in names:
+        composable_checkpoint(modules[name])
+    return names
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    policy: WrapPolicy,
+    *,
+    mp_policy: Optional[MixedPrecisionPolicy] = None,
+    offload_policy: Optional[OffloadPolicy] = None,
+    reshard_after_forward: Union[bool, int] = True,
+) -> list[str]:
+    """``fully_shard`` each selected unit bottom-up, then the root. Returns the unit names (root is ``""``).
+
+    Idempotent: a model whose root is already an ``FSDPModule`` is left untouched.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if isinstance(model, FSDPModule):
+        return []
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": offload_policy or OffloadPolicy(),
+    }
+    names = select_units(model, policy)
+    modules = dict(model.named_modules())
+    for name in names:
+        fully_shard(modules[name], reshard_after_forward=reshard_after_forward, **kwargs)
+    # the root's parameters are needed again right at the start of backward: keep them gathered
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return names + [""]
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[str]:
+    """Activation checkpointing, then FSDP units bottom-up and the root. Returns the FSDP unit names."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return []
+    apply_activation_checkpointing(model, plan.activation_checkpointing)
+    return shard_model(
+        model,
+        mesh,
+        plan.wrap_policy,
+        mp_policy=plan.mp_policy,
+        offload_policy=plan.offload_policy,
+        reshard_after_forward=plan.reshard_after_forward,
+    )
