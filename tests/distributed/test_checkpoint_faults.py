@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from lightning_fsdp.checkpoint import CheckpointError, verify_checkpoint
-from lightning_fsdp.checkpoint.checkpointer import PAUSE_ENV
 from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME, META_NAME, hash_file
 from tests.scripts.ckpt_jobs import end_session, errors_by_rank, job, start, wait_for
 
@@ -154,8 +153,9 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, base, tar
         # the copied state names the original directory: overwrite `last.ckpt` here instead of adding `last-v1`
         "checkpoint_kwargs": {"save_top_k": -1, "enable_version_counter": False},
         "pid_dir": str(pids),
+        "pause_after_write_s": 4,
     }
-    proc = start(spec, tmp_path, "killed", env={PAUSE_ENV: "4"})
+    proc = start(spec, tmp_path, "killed")
     try:
         staging = wait_for(
             lambda: next(

@@ -55,11 +55,17 @@ def test_parity_uneven_tied_transformer(tmp_path, world):
 
 
 def test_parity_frozen_params_and_clipping(tmp_path):
-    """LoRA-like frozen parameters, and clip-by-norm computed over the sharded gradients."""
+    """LoRA-like frozen parameters, and clip-by-norm computed over the sharded gradients. The non-finite check is
+    on too (it changes nothing without NaNs): both share one norm per step, computed with one all-reduce, and the
+    whole check-and-clip costs one device→host transfer (the agreed skip flags)."""
     model = {"frozen": ["net.layers.0", "net.emb"], "lr": 3e-2}
     reference = _reference(tmp_path, model=model, gradient_clip_val=0.05)
-    result = _sharded(tmp_path, 2, model=model, gradient_clip_val=0.05)
+    result = _sharded(
+        tmp_path, 2, model=model, gradient_clip_val=0.05, count_norm_work_at=3,
+        strategy_kwargs={"skip_nonfinite_steps": True},
+    )
     assert_parity(result, reference)
+    assert result["norm_work_in_step"] == {"norms": 1, "norm_all_reduces": 1, "host_transfers": 1}
     frozen_before = {k: v for k, v in result["params"].items() if k.startswith("net.layers.0")}
     assert frozen_before
 

@@ -15,6 +15,8 @@
 - ``error_dir``: every rank that raises writes ``rank<R>.txt`` (type and message) and exits with code 3
 - ``pretrained_probe``: after sharding, every rank resets its peak RSS, calls ``load_pretrained`` on this file and
   reports the peak increase in bytes (``probe_peak_bytes``, per rank)
+- ``pause_after_write_s``: every rank sleeps this long after writing its shard files, before the ranks agree that
+  the save is complete (so the test can kill a rank mid-save)
 
 Rank 0 writes ``out`` (JSON): per-step losses, ``global_step``, ``world_size``, ``params_path`` (gathered params).
 """
@@ -109,7 +111,25 @@ def _unlimit_file_size() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
 
 
+def pause_after_writing_shards(seconds: float) -> None:
+    """Make every sharded save pause after this rank wrote its shard files (before `.metadata` and the commit)."""
+    import time
+
+    from lightning_fsdp.checkpoint.sharded import RecordingWriter
+
+    write_data = RecordingWriter.write_data
+
+    def paused(self, plan, planner):
+        result = write_data(self, plan, planner)
+        time.sleep(seconds)
+        return result
+
+    RecordingWriter.write_data = paused
+
+
 def run(spec: dict, record: Record) -> L.Trainer:
+    if spec.get("pause_after_write_s"):
+        pause_after_writing_shards(float(spec["pause_after_write_s"]))
     L.seed_everything(spec.get("seed", 0), workers=True)
     torch.use_deterministic_algorithms(True, warn_only=True)
     strategy = lightning_fsdp.FSDPCustomStrategy(**spec.get("strategy_kwargs", {}))

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 
-from lightning_fsdp.distributed import destroy_process_group_at_exit
+from lightning_fsdp.parallel.process_group import destroy_process_group_at_exit
 
 dist.init_process_group("gloo")
 HOLDER = [dist.group.WORLD]  # like FSDP state or a device mesh: the group outlives destroy_process_group

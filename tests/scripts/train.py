@@ -60,6 +60,76 @@ class CountAllGathers(Callback):
         self.active = False
 
 
+class CountNormWork(Callback):
+    """Counts, in the optimizer step of batch ``at``, what the non-finite check and clipping cost: gradient-norm
+    computations, all-reduces inside them, and device→host transfers (``item``/``tolist``/``float``/``bool``/...)."""
+
+    TRANSFERS = ("item", "tolist", "cpu", "numpy", "__float__", "__bool__", "__int__")
+
+    def __init__(self, at: int) -> None:
+        import torch.distributed as dist
+
+        from lightning_fsdp.parallel import grad_norm
+        from lightning_fsdp.precision import FSDP2Precision
+        from lightning_fsdp.resilience.nonfinite import NonFiniteGuard
+
+        self.at, self.step_active, self.in_check = at, False, False
+        self.counts = {"norms": 0, "norm_all_reduces": 0, "host_transfers": 0}
+        self.in_norm = False
+        total = grad_norm.total_grad_norm
+
+        def counted_norm(*args, **kwargs):
+            self.counts["norms"] += self.step_active
+            self.in_norm = True
+            try:
+                return total(*args, **kwargs)
+            finally:
+                self.in_norm = False
+
+        grad_norm.total_grad_norm = counted_norm
+        all_reduce = dist.all_reduce
+
+        def counted_all_reduce(*args, **kwargs):
+            self.counts["norm_all_reduces"] += self.step_active and self.in_norm
+            return all_reduce(*args, **kwargs)
+
+        dist.all_reduce = counted_all_reduce
+        for cls, name in ((NonFiniteGuard, "check"), (FSDP2Precision, "clip_grad_by_norm")):
+            setattr(cls, name, self._window(getattr(cls, name)))
+        for name in self.TRANSFERS:
+            setattr(torch.Tensor, name, self._transfer(getattr(torch.Tensor, name)))
+
+    def _window(self, method):
+        def inside(*args, **kwargs):
+            self.in_check = True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.in_check = False
+
+        return inside
+
+    def _transfer(self, method):
+        def counted(tensor, *args, **kwargs):
+            if self.step_active and self.in_check and not self.in_transfer:
+                self.counts["host_transfers"] += 1
+            self.in_transfer = True  # a transfer implemented through another one counts once
+            try:
+                return method(tensor, *args, **kwargs)
+            finally:
+                self.in_transfer = False
+
+        return counted
+
+    in_transfer = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.step_active = batch_idx == self.at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.step_active = False
+
+
 def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """Gathered full parameters (a collective on sharded strategies)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -88,6 +158,9 @@ def main(spec: dict) -> None:
     counter = CountAllGathers(at=spec["count_all_gathers_at"]) if "count_all_gathers_at" in spec else None
     if counter is not None:
         callbacks.append(counter)
+    norm_counter = CountNormWork(at=spec["count_norm_work_at"]) if "count_norm_work_at" in spec else None
+    if norm_counter is not None:
+        callbacks.append(norm_counter)
     if spec.get("checkpoint_dir"):
         callbacks.append(ModelCheckpoint(dirpath=spec["checkpoint_dir"], save_last=True, **spec.get("checkpoint_kwargs", {})))
     trainer = L.Trainer(
@@ -121,6 +194,8 @@ def main(spec: dict) -> None:
     result = {"losses": recorder.losses, "global_step": trainer.global_step, "world_size": trainer.world_size}
     if counter is not None:
         result["all_gathers_in_step"] = counter.count
+    if norm_counter is not None:
+        result["norm_work_in_step"] = norm_counter.counts
     if hasattr(trainer.strategy, "state_bytes"):
         sb = trainer.strategy.state_bytes().as_dict()
         gathered = trainer.strategy.all_gather(torch.tensor([sb["params"], sb["grads"], sb["optimizer"]]))

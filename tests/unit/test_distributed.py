@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-from lightning_fsdp.distributed import MeshShape, as_timedelta, data_parallel_rank, resolve_mesh_shape
+from lightning_fsdp.parallel.mesh import MeshShape, data_parallel_rank, resolve_mesh_shape
+from lightning_fsdp.parallel.process_group import as_timedelta
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,7 @@ def test_data_parallel_rank_is_replica_major():
 
 _EXIT_PROBE = """
 import atexit, sys, tempfile, torch.distributed as dist
-from lightning_fsdp.distributed import destroy_process_group_at_exit
+from lightning_fsdp.parallel.process_group import destroy_process_group_at_exit
 # registered first, so it runs after the hook (atexit is last-in, first-out)
 atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)

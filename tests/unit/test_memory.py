@@ -100,7 +100,7 @@ def test_table_compares_ranks_with_the_unsharded_total_and_the_ideal():
 
 def test_shard_group_size_reads_the_mesh_or_the_world():
     from lightning_fsdp import FSDPCustomStrategy
-    from lightning_fsdp.distributed import MeshShape
+    from lightning_fsdp.parallel import MeshShape
 
     strategy = FSDPCustomStrategy()
     strategy._mesh_shape = MeshShape(replicate=2, shard=3)

@@ -25,7 +25,7 @@ from lightning_fsdp.models import (
     get_preset,
 )
 from lightning_fsdp.models.gpt import RotaryEmbedding, lr_multiplier, sample_next
-from lightning_fsdp.wrapping import find_repeated_block_classes, materialize_meta_module, select_units
+from lightning_fsdp.sharding import find_repeated_block_classes, materialize_meta_module, select_units
 from tests.helpers.launch import run_python
 
 TINY = dict(vocab_size=256, n_layer=2, n_head=2, d_model=32, seq_len=16)

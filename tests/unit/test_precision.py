@@ -66,7 +66,7 @@ def test_scaler_only_for_fp16():
 
 
 def test_total_grad_norm_without_process_group_matches_torch():
-    from lightning_fsdp.precision import clip_grad_norm_sharded
+    from lightning_fsdp.parallel.grad_norm import clip_grad_norm_ as clip_grad_norm_sharded
 
     torch.manual_seed(0)
     a, b = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)

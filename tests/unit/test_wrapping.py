@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fsdp.wrapping import find_repeated_block_classes, resolve_policy, select_units
+from lightning_fsdp.sharding import find_repeated_block_classes, resolve_policy, select_units
 from tests.helpers.models import Block, TinyLM
 
 
@@ -82,7 +82,7 @@ def test_none_means_root_only():
 
 
 def test_activation_checkpointing_keeps_parameter_names():
-    from lightning_fsdp.wrapping import apply_activation_checkpointing
+    from lightning_fsdp.sharding import apply_activation_checkpointing
 
     model = _lm()
     names = [n for n, _ in model.named_parameters()]

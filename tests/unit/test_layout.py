@@ -1,0 +1,166 @@
+"""The package's layout keeps its promises: small modules, imports that only point down, torch internals fenced.
+
+The layers (the README's layout table): a module may import from its own layer's package and from any lower layer,
+never from a higher one. Private torch/Lightning names are used in ``_torch_compat.py`` only.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_fsdp"
+MAX_LINES = 400
+
+#: lowest first; each entry is the top-level modules/packages of one layer
+LAYERS: list[tuple[str, set[str]]] = [
+    ("foundation", {"_torch_compat", "_version", "formatting"}),
+    ("parallel", {"parallel"}),
+    ("precision", {"precision"}),
+    ("sharding", {"sharding"}),
+    ("memory", {"memory"}),
+    ("checkpoint", {"checkpoint"}),
+    ("resilience", {"resilience"}),
+    ("integrations", {"hf"}),
+    ("averaging", {"averaging"}),
+    ("preparation", {"preparation"}),
+    ("planner", {"planner"}),
+    ("registry", {"registry"}),
+    ("process hooks", {"mesh_strategy"}),
+    ("hooks", {"strategy"}),
+    ("app", {"cli", "train", "train_config", "models", "data", "commands", "__init__", "__main__"}),
+]
+LAYER_OF = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
+
+#: attributes of Lightning's strategy contract that subclasses set or override, as Lightning's own strategies do
+STRATEGY_CONTRACT = {"_launcher", "_configure_launcher", "_precision_plugin", "_forward_redirection"}
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _top(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.stem != "__init__" else "__init__"
+
+
+def _imports(tree: ast.AST, path: Path) -> list[tuple[str, int]]:
+    """Top-level ``lightning_fsdp`` components imported by a module, with line numbers."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "lightning_fsdp":
+                    found.append((parts[1] if len(parts) > 1 else "__init__", node.lineno))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            parts = node.module.split(".")
+            if parts[0] != "lightning_fsdp":
+                continue
+            if len(parts) > 1:
+                found.append((parts[1], node.lineno))
+            else:
+                found += [(a.name if a.name in LAYER_OF else "__init__", node.lineno) for a in node.names]
+    return found
+
+
+def test_every_module_is_in_a_layer():
+    tops = {_top(p) for p in _modules()}
+    assert tops - set(LAYER_OF) == set(), "add new top-level modules to LAYERS (and to the README's layout table)"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_module_is_small(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.name} has {lines} lines; split it by responsibility (limit {MAX_LINES})"
+
+
+def test_imports_only_point_down():
+    wrong = []
+    for path in _modules():
+        own = _top(path)
+        tree = ast.parse(path.read_text(), str(path))
+        for imported, line in _imports(tree, path):
+            if imported == own:
+                continue
+            if LAYER_OF[imported] >= LAYER_OF[own] and not (LAYERS[LAYER_OF[own]][0] == "app" == LAYERS[LAYER_OF[imported]][0]):
+                wrong.append(f"{path.relative_to(PACKAGE)}:{line} ({LAYERS[LAYER_OF[own]][0]}) imports {imported}")
+    assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
+
+
+def _private_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """Private names of torch/Lightning reached directly: imports of ``_x``, ``torch.x._y`` chains, and private
+    attributes read from objects that are not ``self``/``cls``."""
+    external_roots = {"torch", "lightning", "lightning_utilities", "pytorch_lightning"}
+    bound: set[str] = set()  # local names bound to torch/Lightning modules or objects
+    other_modules: set[str] = set()  # e.g. `os` (os._exit is public)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] not in external_roots:
+                    other_modules.add((alias.asname or parts[0]).split(".")[0])
+                if parts[0] in external_roots:
+                    bound.add((alias.asname or parts[0]).split(".")[0])
+                    if any(p.startswith("_") and not p.startswith("__") for p in parts):
+                        found.append((node.lineno, alias.name))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            parts = node.module.split(".")
+            if parts[0] not in external_roots:
+                continue
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                if any(p.startswith("_") for p in parts) or (alias.name.startswith("_") and alias.name != "__version__"):
+                    found.append((node.lineno, f"{node.module}.{alias.name}"))
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        if node.attr.endswith("_") and not node.attr.endswith("__"):
+            continue  # Hydra's config keys (`_target_`), not private names
+        base = node.value
+        while isinstance(base, ast.Attribute):
+            base = base.value
+        if isinstance(base, ast.Name) and base.id in ("self", "cls") and node.attr in STRATEGY_CONTRACT:
+            continue
+        if isinstance(base, ast.Name) and base.id in ("self", "cls") and isinstance(node.value, ast.Name):
+            continue  # this class's own private attributes
+        if isinstance(base, ast.Name) and base.id in other_modules:
+            continue
+        if isinstance(base, ast.Name) and (base.id in bound or base.id in external_roots):
+            found.append((node.lineno, f"{base.id}...{node.attr}"))
+        elif not (isinstance(base, ast.Name) and base.id in ("self", "cls")):
+            found.append((node.lineno, f"<object>.{node.attr}"))
+    return found
+
+
+def test_private_torch_and_lightning_names_only_in_the_compat_module():
+    wrong = []
+    for path in _modules():
+        if path.name == "_torch_compat.py":
+            continue
+        for line, name in _private_uses(ast.parse(path.read_text(), str(path))):
+            wrong.append(f"{path.relative_to(PACKAGE)}:{line}: {name}")
+    assert not wrong, "move these into lightning_fsdp/_torch_compat.py:\n" + "\n".join(wrong)
+
+
+def test_every_fast_path_is_active_on_the_pinned_torch():
+    from lightning_fsdp._torch_compat import fast_paths
+
+    assert fast_paths() == {name: True for name in fast_paths()}
+
+
+def test_lost_fast_path_warns_once_naming_what_is_lost(monkeypatch):
+    import warnings
+
+    from lightning_fsdp import _torch_compat as compat
+
+    monkeypatch.setattr(compat, "_WARNED", set())
+    with pytest.warns(compat.FastPathLost, match=r"'root_gather' is unavailable.*all-gathered a second time"):
+        assert compat.keep_root_gathered(object()) is False  # not an FSDP module: the layout is not recognised
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compat.keep_root_gathered(object()) is False  # said once only
