@@ -13,8 +13,11 @@ from typing import Optional
 #: subcommand → (module with `main(argv) -> int`, one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("lightning_fsdp.train", "compose the Hydra config and fit (arguments: Hydra overrides, -m, --help)"),
-    "consolidate": ("lightning_fsdp.checkpoint.consolidate", "turn a sharded checkpoint into one full file"),
-    "estimate": ("lightning_fsdp.planner", "estimate per-rank memory of a model/strategy before running it"),
+    "consolidate": (
+        "lightning_fsdp.commands.consolidate",
+        "a sharded checkpoint → one .ckpt/.safetensors, a Hugging Face model directory or a PEFT adapter",
+    ),
+    "estimate": ("lightning_fsdp.planner.cli", "estimate per-rank memory of a model/strategy before running it"),
 }
 
 

@@ -1,21 +1,27 @@
 """From the user's module to a sharded, initialised model on this rank: the one order every step happens in.
 
-precision conversion → activation checkpointing → ``fully_shard`` units bottom-up and the root → allocate and
-initialise each rank's shards (meta-device models) → pretrained weights straight into the shards.
+activation checkpointing → ``fully_shard`` units bottom-up and the root → allocate and initialise each rank's shards
+(meta-device models: by the library's own initialisers, skipping what the pretrained files will overwrite) →
+pretrained weights straight into the shards.
 
+Pretrained safetensors (a Hugging Face directory or one file) are read shard by shard on every rank
+(:mod:`lightning_fsdp.hf.load`); other files (``.ckpt``/``.pt``) are read by rank 0 and broadcast tensor by tensor.
 A plain function of ``(model, mesh, options)``, so it runs without a Trainer (the strategy's ``setup`` calls it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 from torch import nn
 
-from lightning_fsdp.sharding import DEFAULT_RULES, InitRule, ShardingPlan, materialize_meta_module, parallelize
+from lightning_fsdp.hf.base import LoadedBase
+from lightning_fsdp.hf.init_rules import LIBRARY_RULES
+from lightning_fsdp.sharding import DEFAULT_RULES, ShardingPlan, materialize_meta_module, parallelize
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -29,20 +35,39 @@ class Preparation:
     device: torch.device
     pretrained_weights: Optional[Union[str, Path]] = None
     strict: bool = True
-    init_rules: tuple[InitRule, ...] = DEFAULT_RULES
+    key_map: Optional[Mapping[str, str]] = None
 
 
-def prepare_model(model: nn.Module, mesh: DeviceMesh, preparation: Preparation) -> list[str]:
-    """Shard ``model`` in place on ``mesh``, materialise it, load pretrained weights. Returns the FSDP unit names
-    (none for a model that is sharded already)."""
+@dataclass(frozen=True)
+class Prepared:
+    """What :func:`prepare_model` did: the FSDP units, and the pretrained base it loaded from safetensors."""
+
+    units: list[str] = field(default_factory=list)
+    base: Optional[LoadedBase] = None
+
+
+def prepare_model(model: nn.Module, mesh: DeviceMesh, preparation: Preparation) -> Prepared:
+    """Shard ``model`` in place on ``mesh``, materialise it, load pretrained weights (every rank). A model that is
+    sharded already is left as it is."""
     from torch.distributed.fsdp import FSDPModule
 
+    from lightning_fsdp.hf.load import is_safetensors_source, load_safetensors, planned_keys
+
     if isinstance(model, FSDPModule):
-        return []
+        return Prepared()
     units = parallelize(model, mesh, preparation.plan)
-    materialize_meta_module(model, preparation.device, mesh, rules=preparation.init_rules)
-    if preparation.pretrained_weights is not None:
+    source = preparation.pretrained_weights
+    sharded_source = source is not None and is_safetensors_source(source)
+    loaded = (
+        planned_keys(model, source, strict=preparation.strict, key_map=preparation.key_map) if sharded_source else ()
+    )
+    materialize_meta_module(model, preparation.device, mesh, rules=LIBRARY_RULES + DEFAULT_RULES, loaded=loaded)
+    base = None
+    if sharded_source:
+        plan = load_safetensors(model, source, strict=preparation.strict, key_map=preparation.key_map)
+        base = LoadedBase.from_plan(plan, preparation.key_map)
+    elif source is not None:
         from lightning_fsdp.checkpoint import load_pretrained
 
-        load_pretrained(model, preparation.pretrained_weights, strict=preparation.strict)
-    return units
+        load_pretrained(model, source, strict=preparation.strict)
+    return Prepared(units, base)

@@ -27,6 +27,8 @@ from typing_extensions import override
 
 from lightning_fsdp import _torch_compat as compat
 from lightning_fsdp.checkpoint.checkpointer import check_state_dict_type
+from lightning_fsdp.hf import LoadedBase, resolve_base
+from lightning_fsdp.hf.info import annotate_checkpoint
 from lightning_fsdp.memory import StateBytes, local_state_bytes
 from lightning_fsdp.mesh_strategy import MeshStrategy
 from lightning_fsdp.parallel import mesh as mesh_utils
@@ -65,8 +67,12 @@ class FSDPCustomStrategy(MeshStrategy):
         state_dict_type: ``"sharded"`` writes a checkpoint directory, every rank its own shards, in parallel;
             ``"full"`` gathers to rank 0 and writes one ordinary ``.ckpt`` file.
         async_save: write sharded checkpoints in the background while training continues.
-        pretrained_weights: a full ``.ckpt``/``.pt`` state dict or ``.safetensors`` file loaded into the sharded
-            model right after sharding (rank 0 reads, the other ranks receive only their shards).
+        pretrained_weights: loaded into the sharded model right after sharding: a Hugging Face model directory or a
+            ``.safetensors`` file (every rank reads only its own shards), or a full ``.ckpt``/``.pt`` state dict (rank
+            0 reads, the other ranks receive only their shards). Sharded checkpoints then leave out the frozen
+            parameters that came from safetensors and refer to the files instead (LoRA: megabytes per save).
+        pretrained_key_map: how model keys map to the pretrained files' keys, as ``{model prefix: file prefix}``;
+            by default the layout is detected (the HF model under an attribute, with or without PEFT).
         skip_nonfinite_steps: if any rank sees a NaN/inf loss or gradient norm, every rank skips that optimizer
             step; after ``max_nonfinite_steps`` consecutive skips training stops with an error.
         max_nonfinite_steps: see ``skip_nonfinite_steps``.
@@ -93,6 +99,7 @@ class FSDPCustomStrategy(MeshStrategy):
         state_dict_type: StateDictType = "sharded",
         async_save: bool = False,
         pretrained_weights: Optional[compat.PATH] = None,
+        pretrained_key_map: Optional[dict[str, str]] = None,
         skip_nonfinite_steps: bool = False,
         max_nonfinite_steps: int = 10,
     ) -> None:
@@ -120,6 +127,8 @@ class FSDPCustomStrategy(MeshStrategy):
         self.state_dict_type: StateDictType = state_dict_type
         self.async_save = bool(async_save)
         self.pretrained_weights = pretrained_weights
+        self.pretrained_key_map = dict(pretrained_key_map) if pretrained_key_map else None
+        self.pretrained_base: Optional[LoadedBase] = None  # the safetensors base loaded at setup
         self.skip_nonfinite_steps = bool(skip_nonfinite_steps)
         self.max_nonfinite_steps = int(max_nonfinite_steps)
         self.wrapped_units: list[str] = []
@@ -185,9 +194,10 @@ class FSDPCustomStrategy(MeshStrategy):
         )
         device = torch.device("cpu") if self.cpu_offload else self.root_device
         strict = self.lightning_module.strict_loading
-        units = prepare_model(model, self.device_mesh, Preparation(plan, device, self.pretrained_weights, strict))
-        if units:
-            self.wrapped_units = units
+        preparation = Preparation(plan, device, self.pretrained_weights, strict, self.pretrained_key_map)
+        prepared = prepare_model(model, self.device_mesh, preparation)
+        if prepared.units:
+            self.wrapped_units, self.pretrained_base = prepared.units, prepared.base
         rank_zero_info(f"{type(self).__name__}: {len(self.wrapped_units)} FSDP units on mesh {self.mesh_shape}")
         return model
 
@@ -310,6 +320,7 @@ class FSDPCustomStrategy(MeshStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
         path = Path(self.broadcast(str(filepath)))  # one path for every rank
+        annotate_checkpoint(checkpoint, self.lightning_module, self.pretrained_base, self.state_dict_type == "sharded")
         self.checkpointer.save(checkpoint, path, mesh_shape=self.mesh_shape, full=self.state_dict_type == "full")
 
     @override
@@ -317,7 +328,14 @@ class FSDPCustomStrategy(MeshStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         optimizers = [compat.unwrap_optimizer(o) for o in self.optimizers]
-        return self.checkpointer.load(path, model=self.model, optimizers=optimizers, strict=self.lightning_module.strict_loading)
+        model = self.model
+        return self.checkpointer.load(
+            path,
+            model=model,
+            optimizers=optimizers,
+            strict=self.lightning_module.strict_loading,
+            resolve_base=lambda reference: resolve_base(model, reference, self.pretrained_base),
+        )
 
     @override
     def remove_checkpoint(self, filepath: compat.PATH) -> None:

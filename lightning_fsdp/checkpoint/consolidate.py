@@ -1,4 +1,4 @@
-"""``lightning-fsdp consolidate SRC DST``: a sharded checkpoint directory → one standard Lightning ``.ckpt``.
+"""A sharded checkpoint directory → one standard Lightning ``.ckpt`` (or its weights in one ``.safetensors``).
 
 The result loads in a plain single process (``MyModule.load_from_checkpoint(DST)``, ``torch.load(DST,
 weights_only=True)``) without this package's strategy. ``--format safetensors`` writes the model weights only.
@@ -10,18 +10,18 @@ the output (for safetensors, which is written as it is read: near one tensor).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import struct
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal, Optional, TextIO, Union
+from typing import Any, Callable, Literal, Optional, TextIO, Union
 
 import torch
 
 from lightning_fsdp.checkpoint import commit as commit_ops
+from lightning_fsdp.checkpoint.base_weights import BaseReference, pop_reference, require_resolver
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.manifest import read_manifest, verify_files
 from lightning_fsdp.checkpoint.shard_reader import ShardReader
@@ -82,14 +82,25 @@ class _Progress:
             )
 
 
+#: a tensor to write: dtype, shape, and how to read it (one at a time)
+Entry = tuple[torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]
+#: the base weights a checkpoint refers to, as entries by model key (see ``lightning_fsdp.hf.export``)
+BaseTensors = Callable[[BaseReference], dict[str, Entry]]
+
+
 def consolidate_checkpoint(
     src: Union[str, Path],
     dst: Union[str, Path],
     format: Format = "ckpt",
     progress: bool = True,
     verify: bool = True,
+    base_tensors: Optional[BaseTensors] = None,
 ) -> Path:
-    """Write the sharded checkpoint ``src`` as one file ``dst`` (see the module docstring). Returns ``dst``."""
+    """Write the sharded checkpoint ``src`` as one file ``dst`` (see the module docstring). Returns ``dst``.
+
+    A checkpoint that refers to frozen base weights instead of storing them needs ``base_tensors`` to read them
+    (the ``lightning-fsdp consolidate`` command passes it).
+    """
     src, dst = Path(src), Path(dst)
     if format not in ("ckpt", "safetensors"):
         raise ValueError(f"`format` must be 'ckpt' or 'safetensors', got {format!r}.")
@@ -99,23 +110,30 @@ def consolidate_checkpoint(
     if verify:
         verify_files(src, manifest)
     metadata, meta, paths = read_state_files(src, manifest)
+    reference = pop_reference(meta, src)
+    base = require_resolver(reference, base_tensors, src)(reference) if reference is not None else {}
     reader = ShardReader(src, metadata)
     try:
         unknown = sorted(set(paths) - set(reader.tensor_keys()))
         if unknown:
             raise CheckpointError(f"{src}: meta.pt lists tensors that .metadata does not hold: {unknown[:5]}.")
+        entries: dict[TensorPath, Entry] = {}
+        for key, path in paths.items():
+            md = reader.metadata.state_dict_metadata[key]
+            entries[path] = (md.properties.dtype, tuple(md.size), lambda key=key: reader.read(key))
+        entries.update({("state_dict", key): entry for key, entry in base.items()})
         dst.parent.mkdir(parents=True, exist_ok=True)
         staging = commit_ops.temp_path(dst, commit_ops.STAGING, commit_ops.new_token())
         try:
             if format == "safetensors":
-                keys = {p[1]: k for k, p in paths.items() if p[0] == "state_dict" and len(p) == 2}
-                bar = _Progress(len(keys), sum(reader.nbytes(k) for k in keys.values()), progress)
-                _write_safetensors(staging, keys, reader, bar, {"source": manifest.target, "format": "pt"})
+                weights = {str(p[1]): e for p, e in entries.items() if p[0] == "state_dict" and len(p) == 2}
+                bar = _Progress(len(weights), sum(_nbytes(e) for e in weights.values()), progress)
+                _write_safetensors(staging, weights, bar, {"source": manifest.target, "format": "pt"})
             else:
-                bar = _Progress(len(paths), sum(reader.nbytes(k) for k in paths), progress)
+                bar = _Progress(len(entries), sum(_nbytes(e) for e in entries.values()), progress)
                 tensors: dict[TensorPath, torch.Tensor] = {}
-                for key, path in paths.items():
-                    tensors[path] = reader.read(key)
+                for path, (_, _, read) in entries.items():
+                    tensors[path] = read()
                     bar.update(tensors[path].numel() * tensors[path].element_size())
                 meta = assemble_full_checkpoint(meta, tensors)
                 tensors.clear()
@@ -134,24 +152,22 @@ def consolidate_checkpoint(
     return dst
 
 
-def _write_safetensors(
-    path: Path, keys: dict[str, str], reader: ShardReader, bar: _Progress, metadata: dict[str, str]
-) -> None:
-    """Write a safetensors file tensor by tensor: the header is known from ``.metadata`` before any data is read."""
+def _nbytes(entry: Entry) -> int:
+    dtype, shape, _ = entry
+    return int(torch.Size(shape).numel()) * dtype.itemsize
+
+
+def _write_safetensors(path: Path, entries: dict[str, Entry], bar: _Progress, metadata: dict[str, str]) -> None:
+    """Write a safetensors file tensor by tensor: the header is known from shapes and dtypes before any data is read."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
-    order = sorted(keys)
+    order = sorted(entries)
     for name in order:
-        md = reader.metadata.state_dict_metadata[keys[name]]
-        dtype = md.properties.dtype
+        dtype, shape, _ = entries[name]
         if dtype not in _SAFETENSORS_DTYPES:
             raise CheckpointError(f"{name}: dtype {dtype} cannot be stored in safetensors; use --format ckpt.")
-        nbytes = reader.nbytes(keys[name])
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
-            "shape": list(md.size),
-            "data_offsets": [offset, offset + nbytes],
-        }
+        nbytes = _nbytes(entries[name])
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
@@ -159,7 +175,7 @@ def _write_safetensors(
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for name in order:
-            tensor = reader.read(keys[name]).contiguous()
+            tensor = entries[name][2]().contiguous()
             f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
             bar.update(tensor.numel() * tensor.element_size())
             del tensor
@@ -171,32 +187,3 @@ def _lightning_version() -> str:
     import lightning
 
     return lightning.__version__
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lightning-fsdp consolidate",
-        description="Turn a sharded lightning_fsdp checkpoint directory into one standard Lightning .ckpt file"
-        " (or model weights in a .safetensors file).",
-    )
-    parser.add_argument("src", metavar="SRC", help="sharded checkpoint directory (holds manifest.json)")
-    parser.add_argument("dst", metavar="DST", help="output file (.ckpt, or .safetensors with --format safetensors)")
-    parser.add_argument(
-        "--format", choices=("ckpt", "safetensors"), default="ckpt", help="output format (default: ckpt)"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="do not print progress to stderr")
-    return parser
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        consolidate_checkpoint(args.src, args.dst, format=args.format, progress=not args.no_progress)
-    except CheckpointError as err:
-        print(f"lightning-fsdp consolidate: error: {err}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

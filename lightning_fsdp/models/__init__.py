@@ -7,6 +7,7 @@ other tools (benchmarks, the memory planner) build a decoder of a given size.
 from lightning_fsdp.models.cnn import ConvBlock, ShapesCNN, average_batchnorm_stats
 from lightning_fsdp.models.gpt import GPT, GPTLightningModule, TransformerBlock
 from lightning_fsdp.models.gpt_config import PRESETS, GPTConfig, config_with_params, count_params, get_preset
+from lightning_fsdp.models.hf_causal_lm import HFCausalLM
 
 __all__ = [
     "GPT",
@@ -14,6 +15,7 @@ __all__ = [
     "ConvBlock",
     "GPTConfig",
     "GPTLightningModule",
+    "HFCausalLM",
     "ShapesCNN",
     "TransformerBlock",
     "average_batchnorm_stats",

@@ -1,0 +1,30 @@
+"""Hugging Face and PEFT: a HF model directory in, LoRA or full fine-tuning, a HF model (or adapter) out.
+
+==========================  ==========================================================================================
+:mod:`.directory`           a model directory (index + safetensors shards) validated from its headers; its identity
+:mod:`.keys`                model keys ↔ file keys: the LightningModule attribute and PEFT's wrapping, as data
+:mod:`.load`                pretrained weights straight into each rank's shards (DCP's safetensors reader)
+:mod:`.init_rules`          meta-device initialisation the way transformers and PEFT do it (``lora_B`` = 0)
+:mod:`.base`                the loaded base; LoRA checkpoints that refer to it instead of storing it
+:mod:`.info`                what a checkpoint records about the HF model (config, attribute, adapters) for export
+:mod:`.export`              a sharded checkpoint → a HF directory (LoRA merged) or a PEFT adapter, streaming
+==========================  ==========================================================================================
+
+transformers and PEFT are optional (``pip install lightning-fsdp[hf]``): nothing here imports them unless a model
+uses them or an export needs them.
+"""
+
+from lightning_fsdp.hf.base import LoadedBase, resolve_base
+from lightning_fsdp.hf.directory import HFDirectory
+from lightning_fsdp.hf.keys import KeyLayout, detect_layout
+from lightning_fsdp.hf.load import is_safetensors_source, load_safetensors
+
+__all__ = [
+    "HFDirectory",
+    "KeyLayout",
+    "LoadedBase",
+    "detect_layout",
+    "is_safetensors_source",
+    "load_safetensors",
+    "resolve_base",
+]

@@ -1,0 +1,65 @@
+"""What a checkpoint records about the Hugging Face model inside a LightningModule, so it can be exported offline.
+
+The entry (plain JSON-like data in ``meta.pt``) names the attribute path of the HF model (``model.`` or, under
+PEFT, ``model.base_model.model.``), its class and ``config``, and every PEFT adapter's config. ``lightning-fsdp
+consolidate --format hf|peft`` rebuilds the model's skeleton on the meta device from it; no GPU, no process group,
+and no copy of the pretrained directory is needed (``--hf-config`` can still supply config and tokenizer files).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Optional
+
+from torch import nn
+
+#: the top-level checkpoint entry holding the description (plain data)
+HF_ENTRY = "lightning_fsdp_hf"
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe copy: sets become sorted lists, anything unusual its string."""
+    return json.loads(json.dumps(value, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
+
+
+def describe_hf_model(module: nn.Module) -> Optional[dict[str, Any]]:
+    """The description of the outermost ``transformers.PreTrainedModel`` in ``module`` (``None`` if there is none)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    pretrained = getattr(modeling, "PreTrainedModel", None)
+    if pretrained is None:
+        return None
+    found = next(((n, m) for n, m in module.named_modules() if isinstance(m, pretrained)), None)
+    if found is None:
+        return None
+    name, model = found
+    peft_name, adapters = None, {}
+    for candidate_name, candidate in module.named_modules():
+        configs = getattr(candidate, "peft_config", None)
+        if isinstance(configs, dict) and configs and type(candidate).__module__.startswith("peft."):
+            peft_name = candidate_name
+            adapters = {adapter: _plain(config.to_dict()) for adapter, config in configs.items()}
+            break
+    return {
+        "prefix": f"{name}." if name else "",
+        "class": type(model).__name__,
+        "config": json.loads(model.config.to_json_string(use_diff=False)),
+        "peft_prefix": None if peft_name is None else (f"{peft_name}." if peft_name else ""),
+        "adapters": adapters,
+    }
+
+
+def annotate_checkpoint(checkpoint: dict[str, Any], module: Optional[nn.Module], base: Any, sharded: bool) -> None:
+    """Before a save: describe the HF model (for export), and for a sharded save leave out the frozen base weights
+    ``base`` (a :class:`~lightning_fsdp.hf.base.LoadedBase`) supplied, recording where they come from."""
+    if module is None:
+        return
+    description = describe_hf_model(module)
+    if description is not None:
+        if base is not None:
+            description["source"] = base.identity.get("path")  # config and tokenizer files for export
+        checkpoint[HF_ENTRY] = description
+    if sharded and base is not None:
+        from lightning_fsdp.hf.base import leave_out_base
+
+        leave_out_base(checkpoint, module, base)
