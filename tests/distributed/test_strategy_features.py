@@ -10,6 +10,7 @@ import torch
 from tests.distributed.test_parity import GLOBAL_BATCH, _reference, _sharded, assert_parity
 from tests.helpers.launch import SCRIPTS, run_python, train
 
+
 def _features(tmp_path, mode, precision="32-true"):
     out = tmp_path / f"{mode}.json"
     proc = run_python([str(SCRIPTS / "features.py"), mode, str(out), precision], timeout=300)

@@ -143,3 +143,17 @@ def loader(n: int, batch_size: int, vocab: int = 37, seq: int = 7, seed: int = 0
     """Rank loaders are plain (Lightning injects the sampler); the reference replays the distributed order."""
     sampler = DistributedOrderSampler(n, int(os.environ.get("PL_GLOBAL_SEED", 0))) if reference_order else None
     return DataLoader(token_dataset(n, vocab, seq, seed), batch_size=batch_size, sampler=sampler)
+
+
+def build_model(spec: dict[str, Any]) -> tuple[L.LightningModule, int, int]:
+    """The test model a job spec asks for, with the vocabulary and sequence length its data needs: ``spec["hf"]``
+    (``HFCausalLM`` arguments; the tiny Llama's vocabulary, sequences of 7) or ``spec["model"]`` (``TinyLM``)."""
+    if spec.get("hf"):
+        from lightning_fsdp.models import HFCausalLM
+
+        return HFCausalLM(**spec["hf"]), 37, 7
+    kwargs = dict(spec.get("model", {}))
+    if "frozen" in kwargs:
+        kwargs["frozen"] = tuple(kwargs["frozen"])
+    model = TinyLM(**kwargs)
+    return model, model.hparams.vocab, model.hparams.seq

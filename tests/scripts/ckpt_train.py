@@ -14,7 +14,8 @@
 - ``pid_dir``: every rank writes ``rank<R>.pid`` once its process group is up
 - ``error_dir``: every rank that raises writes ``rank<R>.txt`` (type and message) and exits with code 3
 - ``pretrained_probe``: after sharding, every rank resets its peak RSS, calls ``load_pretrained`` on this file and
-  reports the peak increase in bytes (``probe_peak_bytes``, per rank)
+  reports the peak increase in bytes (``probe_peak_bytes``, per rank); ``pretrained_probe_sharded``: the same with
+  ``load_safetensors`` on a safetensors directory (``probe_sharded_peak_bytes``)
 - ``pause_after_write_s``: every rank sleeps this long after writing its shard files, before the ranks agree that
   the save is complete (so the test can kill a rank mid-save)
 
@@ -39,7 +40,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 import lightning_fsdp  # noqa: E402
-from tests.helpers.models import TinyLM, loader  # noqa: E402
+from tests.helpers.models import build_model, loader  # noqa: E402
 
 
 class Record(Callback):
@@ -48,7 +49,7 @@ class Record(Callback):
     def __init__(self, spec: dict) -> None:
         self.spec = spec
         self.losses: list[float] = []
-        self.probe: list[int] = []
+        self.probe: dict[str, list[int]] = {}
 
     def setup(self, trainer, pl_module, stage) -> None:
         if self.spec.get("pid_dir"):
@@ -66,16 +67,18 @@ class Record(Callback):
             self._probe(trainer)
 
     def _probe(self, trainer) -> None:
-        path = self.spec.get("pretrained_probe")
-        if not path or self.probe:
+        if self.probe:
             return
         from lightning_fsdp.checkpoint import load_pretrained
+        from lightning_fsdp.hf import load_safetensors
 
-        trainer.strategy.barrier()
-        before = _reset_peak_rss()
-        load_pretrained(trainer.strategy.model, path)
-        peak = _peak_rss() - before
-        self.probe = trainer.strategy.all_gather(torch.tensor([peak])).reshape(-1).tolist()
+        for key, load in (("pretrained_probe", load_pretrained), ("pretrained_probe_sharded", load_safetensors)):
+            if self.spec.get(key):
+                trainer.strategy.barrier()
+                before = _reset_peak_rss()
+                load(trainer.strategy.model, self.spec[key])
+                peak = _peak_rss() - before
+                self.probe[key] = trainer.strategy.all_gather(torch.tensor([peak])).reshape(-1).tolist()
 
 
 def _status_kb(field: str) -> int:
@@ -153,10 +156,10 @@ def run(spec: dict, record: Record) -> L.Trainer:
         default_root_dir=spec["root_dir"],
     )
     with trainer.init_module(empty_init=spec.get("empty_init", False)):
-        model = TinyLM(**spec.get("model", {}))
+        model, vocab, seq = build_model(spec)
     data = spec.get("data", {})
     batches = loader(
-        data.get("n", 48), spec.get("batch_size", 6), model.hparams.vocab, model.hparams.seq, data.get("seed", 0)
+        data.get("n", 48), spec.get("batch_size", 6), vocab, seq, data.get("seed", 0)
     )
     if spec.get("stage", "fit") == "validate":
         trainer.validate(model, batches, ckpt_path=spec.get("ckpt_path"))
@@ -198,6 +201,8 @@ def main(spec: dict) -> int:
             return 3
         raise
     params = full_params(trainer)
+    sb = trainer.strategy.state_bytes()
+    state_bytes = trainer.strategy.all_gather(torch.tensor([sb.params, sb.grads, sb.optimizer])).reshape(-1, 3).tolist()
     if trainer.is_global_zero and spec.get("out"):
         out = Path(spec["out"])
         params_path = out.with_suffix(".params.pt")
@@ -207,7 +212,10 @@ def main(spec: dict) -> int:
             "global_step": trainer.global_step,
             "world_size": trainer.world_size,
             "params_path": str(params_path),
-            "probe_peak_bytes": record.probe,
+            "probe_peak_bytes": record.probe.get("pretrained_probe", []),
+            "probe_sharded_peak_bytes": record.probe.get("pretrained_probe_sharded", []),
+            "trainable": sorted(n for n, p in trainer.lightning_module.named_parameters() if p.requires_grad),
+            "state_bytes": state_bytes,
         }
         out.write_text(json.dumps(result))
     return 0

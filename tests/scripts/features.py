@@ -15,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torchmetrics  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 import lightning_fsdp  # noqa: E402,F401
 from tests.helpers.models import TinyLM, loader  # noqa: E402

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 import lightning_fsdp  # noqa: E402,F401
-from tests.helpers.models import TinyLM, loader  # noqa: E402
+from tests.helpers.models import build_model, loader  # noqa: E402
 
 
 class RecordLosses(Callback):
@@ -149,9 +149,6 @@ def main(spec: dict) -> None:
     if spec.get("strategy_kwargs") or spec.get("precision_plugin"):
         plugin = lightning_fsdp.FSDP2Precision(spec["precision_plugin"]) if spec.get("precision_plugin") else None
         strategy = lightning_fsdp.FSDPCustomStrategy(precision_plugin=plugin, **spec.get("strategy_kwargs", {}))
-    model_kwargs = dict(spec.get("model", {}))
-    if "frozen" in model_kwargs:
-        model_kwargs["frozen"] = tuple(model_kwargs["frozen"])
     empty_init = spec.get("empty_init", False)
     recorder = RecordLosses()
     callbacks: list[Callback] = [recorder]
@@ -182,9 +179,9 @@ def main(spec: dict) -> None:
         default_root_dir=spec.get("root_dir", os.getcwd()),
     )
     with trainer.init_module(empty_init=empty_init):
-        model = TinyLM(**model_kwargs)
+        model, vocab, seq = build_model(spec)
     data = spec.get("data", {})
-    train_loader = loader(data.get("n", 64), spec.get("batch_size", 4), model.hparams.vocab, model.hparams.seq, data.get("seed", 0),
+    train_loader = loader(data.get("n", 64), spec.get("batch_size", 4), vocab, seq, data.get("seed", 0),
         reference_order=not isinstance(trainer.strategy, lightning_fsdp.FSDPCustomStrategy) and trainer.world_size == 1,
     )
     trainer.fit(model, train_loader, ckpt_path=spec.get("ckpt_path"))

@@ -22,8 +22,8 @@ from lightning_fsdp.checkpoint import (
     load_pretrained,
     verify_checkpoint,
 )
-from lightning_fsdp.checkpoint.consolidate import main as consolidate_main
 from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME, META_NAME, hash_file
+from lightning_fsdp.commands.consolidate import main as consolidate_main
 
 
 def _model_and_optimizer(seed: int):

@@ -15,7 +15,6 @@ from torch import nn
 
 from lightning_fsdp.memory import (
     MemoryReport,
-    PeakMemory,
     RankMemory,
     StateBytes,
     format_memory_table,

@@ -19,7 +19,6 @@ from lightning_fsdp.models import (
     GPTLightningModule,
     ShapesCNN,
     TransformerBlock,
-    average_batchnorm_stats,
     config_with_params,
     count_params,
     get_preset,
