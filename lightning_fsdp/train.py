@@ -87,12 +87,32 @@ def run(cfg: DictConfig, *, is_launcher: bool = True) -> dict[str, Any]:
             print(f"\nSample from the trained model (prompt {cfg.sample.prompt!r}):\n{sample}\n", flush=True)
 
     summary = summarize(trainer, sample)
+    if cfg.get("export") and trainer.is_global_zero:
+        summary["exports"] = export_last_checkpoint(trainer, cfg.export)
     if trainer.is_global_zero:
         output_dir = Path(str(cfg.paths.output_dir)) if cfg.get("paths") else Path(trainer.default_root_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     _wait_for_ranks(trainer)
     return summary
+
+
+def export_last_checkpoint(trainer: Any, export_cfg: DictConfig) -> dict[str, str]:
+    """Rank 0, after fit: ``lightning-fsdp consolidate`` of the last checkpoint into each configured format."""
+    from lightning_fsdp.commands.consolidate import main as consolidate
+
+    last = getattr(trainer.checkpoint_callback, "last_model_path", "")
+    if not last:
+        raise RuntimeError("`export` needs a checkpoint: keep the model_checkpoint callback with save_last: true.")
+    suffix = {"ckpt": "model.ckpt", "safetensors": "model.safetensors", "hf": "hf_model", "peft": "adapter"}
+    written = {}
+    for fmt in export_cfg.formats:
+        dst = Path(str(export_cfg.dir)) / suffix[fmt]
+        if consolidate([last, str(dst), "--format", fmt, "--no-progress"]) != 0:
+            raise RuntimeError(f"Exporting {last} as {fmt} failed; see the error above.")
+        print(f"exported {last} as {fmt}: {dst}", flush=True)
+        written[fmt] = str(dst)
+    return written
 
 
 def generate_sample(model: Any, datamodule: Any, sample_cfg: DictConfig) -> str:

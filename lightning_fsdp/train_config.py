@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,13 @@ def validate_config(cfg: DictConfig) -> None:
     check_mesh(cfg)
     if cfg.get("pretrained_if_missing", "error") not in ("error", "init"):
         raise ConfigError(f"pretrained_if_missing={cfg.pretrained_if_missing!r}: use 'error' or 'init'.")
+    export = cfg.get("export")
+    if export:
+        from lightning_fsdp.commands.consolidate import FORMATS
+
+        unknown = [f for f in export.get("formats", []) if f not in FORMATS]
+        if unknown or not export.get("dir"):
+            raise ConfigError(f"export={OmegaConf.to_container(export)}: needs `dir` and `formats` from {list(FORMATS)}.")
 
 
 # -- building the objects ------------------------------------------------------------------------------------------
@@ -159,6 +166,13 @@ def ensure_pretrained(cfg: DictConfig) -> Optional[Path]:
             f" `lightning-fsdp consolidate <checkpoint directory> {path}`, or pass pretrained_if_missing=init to"
             " start from a freshly initialised model's weights."
         )
+    if cfg.get("pretrained_init"):
+        from lightning_fsdp.models.hf_causal_lm import write_random_model
+
+        init = OmegaConf.to_container(cfg.pretrained_init, resolve=True)
+        write_random_model(path, dict(init))  # type: ignore[arg-type]
+        log.warning("pretrained_if_missing=init: wrote a freshly initialised %s model to %s", init["model_type"], path)
+        return path
     import torch
     from hydra.utils import instantiate
 

@@ -122,6 +122,10 @@ class HFDirectory:
         mine = assign_files(self.sizes, world_size())[rank()]
         return {name: hash_file(self.root / name).checksum for name in mine}
 
+    def hash_all(self) -> dict[str, str]:
+        """SHA-256 of every file, in this process alone (e.g. an export, process group or not)."""
+        return {name: hash_file(self.root / name).checksum for name in self.files}
+
     def identity(self, digests: Mapping[str, str]) -> dict[str, Any]:
         """What a checkpoint records about these weights, from every rank's :meth:`hash_share`. Two directories with
         the same identity hold the same bytes (the path may differ)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -100,7 +101,7 @@ def base_entries(reference: BaseReference, root: Path, src: Path) -> dict[str, E
             f"{src} stores only its trainable weights; its base weights come from {root}: {err} Pass `--base DIR`"
             " with a copy of the pretrained directory it was trained on."
         ) from None
-    changed = identity_differences(reference.identity, directory.identity(directory.hash_share()))
+    changed = identity_differences(reference.identity, directory.identity(directory.hash_all()))
     if changed:
         raise CheckpointError(
             f"The base weights at {root} are not the ones {src} was trained on: {short_list(changed)}. Pass"
@@ -131,7 +132,8 @@ def build_skeleton(info: dict[str, Any], with_adapters: bool) -> nn.Module:
     cls = getattr(transformers, str(info["class"]), None)
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         raise CheckpointError(f"transformers has no model class {info['class']!r}; upgrade transformers.")
-    with torch.device("meta"):
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")  # inside PEFT
         model = cls(config)
         if with_adapters and info.get("adapters"):
             from peft import PeftConfig, get_peft_model

@@ -298,7 +298,7 @@ class GPTLightningModule(L.LightningModule):
                 idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)
         finally:
             self.train(was_training)
-            _reshard(self)
+            reshard_gathered(self)
         return idx
 
     def _compute_device(self) -> torch.device:
@@ -333,7 +333,7 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _reshard(module: nn.Module) -> None:
+def reshard_gathered(module: nn.Module) -> None:
     """Free parameters that FSDP2 left gathered after a forward without backward (the root keeps its own)."""
     from torch.distributed.fsdp import FSDPModule
 

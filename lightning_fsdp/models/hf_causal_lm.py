@@ -11,6 +11,7 @@ is the mean next-token cross entropy.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -62,7 +63,9 @@ class HFCausalLM(L.LightningModule):
         if h.lora:
             from peft import LoraConfig, get_peft_model
 
-            model = get_peft_model(model, LoraConfig(**dict(h.lora)))
+            with warnings.catch_warnings():  # PEFT reads a property transformers has deprecated
+                warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+                model = get_peft_model(model, LoraConfig(**dict(h.lora)))
         self.model = model
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -83,7 +86,80 @@ class HFCausalLM(L.LightningModule):
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.log("val_loss", self.loss(batch), prog_bar=True, sync_dist=True)
 
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None, seed: int = 0
+    ) -> Tensor:
+        """Sample a continuation of ``prompt_ids`` ((T,) or (B, T)), as ``GPTLightningModule.generate`` does: every
+        rank calls it (FSDP gathers parameters in each forward) and, with the same ``seed``, samples the same text."""
+        from lightning_fsdp.models.gpt import reshard_gathered, sample_next
+
+        device = self.trainer.strategy.root_device if self._trainer is not None else next(self.parameters()).device
+        idx = prompt_ids.to(device).long()
+        idx = idx[None] if idx.ndim == 1 else idx
+        generator = torch.Generator(device=device).manual_seed(seed)
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                logits = self(idx)[:, -1, :].float()
+                idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)
+        finally:
+            self.train(was_training)
+            reshard_gathered(self)
+        return idx
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         h = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=h.lr, weight_decay=h.weight_decay, betas=tuple(h.betas))
+
+
+def _byte_characters() -> dict[int, str]:
+    """The printable character a byte-level tokenizer uses for each byte (printable bytes stand for themselves)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def byte_tokenizer() -> Any:
+    """A Hugging Face tokenizer whose ids are the UTF-8 bytes of the text (id ``b`` is byte ``b``): what the
+    package's byte-level text DataModules feed, so an exported model tokenizes like it was trained."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: byte for byte, char in _byte_characters().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def write_random_model(
+    path: Union[str, Path], config: dict[str, Any], seed: int = 0, max_shard_size: str = "2MB"
+) -> Path:
+    """A freshly initialised causal LM (``config``: a HF config dict with ``model_type``) saved like a downloaded
+    one: safetensors shards with an index, ``config.json``, and a byte-level tokenizer when the vocabulary is 256.
+    Written to a hidden sibling and renamed into place, so a half-written directory never looks like a model."""
+    import os
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    settings = dict(config)
+    hf_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    model.save_pretrained(tmp, max_shard_size=max_shard_size)
+    if hf_config.vocab_size == 256:
+        byte_tokenizer().save_pretrained(tmp)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, path)
+    return path

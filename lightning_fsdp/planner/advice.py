@@ -54,7 +54,7 @@ def verdict(
                 f"cpu_offload=True: the device keeps {format_bytes(off.device)}; params, grads and optimizer state"
                 f" ({format_bytes(off.host)}) move to host memory (slower steps)"
             )
-    if spec.gpt is not None and not options.activation_checkpointing:
+    if spec.has_activation_model and not options.activation_checkpointing:
         ac = estimate(spec, replace(options, activation_checkpointing=True))
         if ac.device <= usable:
             advice.append(
@@ -65,7 +65,7 @@ def verdict(
         bf16 = estimate(spec, replace(options, precision="bf16-mixed"))
         if bf16.device <= usable:
             advice.append("precision='bf16-mixed' halves gathered parameters and activations")
-    if spec.gpt is not None and options.batch_size > 1:
+    if spec.has_activation_model and options.batch_size > 1:
         advice.append("a smaller per-rank batch with accumulate_grad_batches keeps the global batch")
     if not advice:
         advice.append("no single change fits: combine more ranks, cpu_offload and activation checkpointing")

@@ -12,6 +12,8 @@ from lightning_fsdp.formatting import format_bytes, format_count, parse_bytes
 from lightning_fsdp.planner.advice import DEFAULT_HEADROOM, Verdict, verdict
 from lightning_fsdp.planner.estimate import OPTIMIZER_STATES, PRECISION_BYTES, Estimate, PlanOptions, estimate
 from lightning_fsdp.planner.geometry import GPTDims, ModelSpec, gpt_model_spec
+from lightning_fsdp.planner.llama import DEFAULT_LORA_TARGETS, llama_dims, llama_model_spec, load_hf_config, with_lora
+from lightning_fsdp.planner.llama import PRESETS as LLAMA_PRESETS
 from lightning_fsdp.planner.sources import load_config, spec_from_checkpoint, spec_from_config
 from lightning_fsdp.precision import normalize_precision
 
@@ -19,8 +21,11 @@ from lightning_fsdp.precision import normalize_precision
 def format_estimate(spec: ModelSpec, est: Estimate, v: Optional[Verdict] = None) -> str:
     o = est.options
     mesh = f"{o.replicate} × {o.shard}" if o.strategy == "fsdp" else f"{o.world_size} replicas"
+    trainable = spec.trainable_numel
     lines = [
-        f"model {spec.name}: {format_count(spec.numel)} parameters in {len(spec.units)} units"
+        f"model {spec.name}: {format_count(spec.numel)} parameters"
+        + (f" ({format_count(trainable)} trainable)" if trainable != spec.numel else "")
+        + f" in {len(spec.units)} units"
         f" (largest block {format_count(max((u.numel for u in spec.blocks), default=0))}, root {format_count(spec.root.numel)})",
         f"strategy {o.strategy}, world {o.world_size} (mesh replicate × shard = {mesh}), precision {o.precision},"
         f" optimizer {o.optimizer}, cpu_offload={o.cpu_offload}, activation checkpointing={o.activation_checkpointing}",
@@ -36,7 +41,7 @@ def format_estimate(spec: ModelSpec, est: Estimate, v: Optional[Verdict] = None)
     ]
     if est.comm_buffers:
         lines.append(f"| DDP gradient buckets | {format_bytes(est.comm_buffers)} | |")
-    act_note = "" if spec.gpt is not None else "unknown for non-GPT models: not included"
+    act_note = "" if spec.has_activation_model else "unknown for this architecture: not included"
     lines.append(f"| activations (batch {o.batch_size}) | {format_bytes(est.activations)} | {act_note} |")
     lines.append(f"| **device peak** | **{format_bytes(est.device)}** | |")
     if est.host:
@@ -57,6 +62,10 @@ def _build_parser() -> argparse.ArgumentParser:
     src = p.add_argument_group("model (one of)")
     src.add_argument("--config", help="Hydra model config: a YAML path or `group=option` (e.g. model=gpt_5m)")
     src.add_argument("--checkpoint", help="a sharded checkpoint directory or a .ckpt/.pt/.safetensors file")
+    src.add_argument(
+        "--hf-config",
+        help=f"a Hugging Face Llama-family config.json, its directory, or a preset ({', '.join(sorted(LLAMA_PRESETS))})",
+    )
     src.add_argument("--layers", type=int, help="GPT: number of blocks")
     src.add_argument("--width", type=int, help="GPT: d_model")
     src.add_argument("--vocab", type=int, default=None, help="GPT: vocabulary size")
@@ -64,6 +73,8 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--seq", type=int, default=None, help="sequence length (overrides the model's)")
     src.add_argument("--mlp-ratio", type=float, default=4.0)
     src.add_argument("--untied", action="store_true", help="GPT: LM head not tied to the embedding")
+    src.add_argument("--lora-rank", type=int, help="LoRA of this rank on a frozen base (with --hf-config)")
+    src.add_argument("--lora-targets", default=",".join(DEFAULT_LORA_TARGETS), help="LoRA's target projections")
     run = p.add_argument_group("training setup")
     run.add_argument("--world-size", "-n", type=int, default=1)
     run.add_argument("--replicate", type=int, default=1, help="HSDP replicas (mesh replicate × shard)")
@@ -82,9 +93,18 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def resolve_spec(args: argparse.Namespace) -> ModelSpec:
     """The model the command line describes (exactly one source)."""
-    sources = [s for s in ("config", "checkpoint", "layers") if getattr(args, s) is not None]
+    sources = [s for s in ("config", "checkpoint", "layers", "hf_config") if getattr(args, s) is not None]
     if len(sources) != 1:
-        raise ValueError("Describe the model with exactly one of --config, --checkpoint or --layers/--width/--vocab.")
+        raise ValueError(
+            "Describe the model with exactly one of --config, --checkpoint, --hf-config or --layers/--width/--vocab."
+        )
+    if args.lora_rank is not None and args.hf_config is None:
+        raise ValueError("--lora-rank needs --hf-config (a Llama-family model).")
+    if args.hf_config is not None:
+        targets = tuple(t for t in args.lora_targets.split(",") if t)
+        dims = with_lora(llama_dims(load_hf_config(args.hf_config), args.seq), args.lora_rank, targets)
+        lora = f" + LoRA r={args.lora_rank} on {','.join(targets)}" if args.lora_rank else ""
+        return llama_model_spec(dims, f"{args.hf_config}{lora}")
     if args.config is not None:
         cfg = load_config(args.config)
         spec = spec_from_config(cfg, name=args.config)

@@ -225,10 +225,17 @@ def gpt_activation_bytes(
 
 
 def activation_bytes(spec: ModelSpec, options: PlanOptions) -> int:
-    """Activation estimate for GPT-like models; ``0`` (reported as unknown) for other architectures."""
+    """Activation estimate for GPT-like and Llama-family models; ``0`` (reported as unknown) for others."""
+    _, compute = PRECISION_BYTES[normalize_precision(options.precision)]
+    if spec.llama is not None:
+        from lightning_fsdp.planner.llama import llama_activation_bytes
+
+        return llama_activation_bytes(
+            spec.llama, options.batch_size, options.seq_len, compute_bytes=compute,
+            activation_checkpointing=options.activation_checkpointing,
+        )
     if spec.gpt is None:
         return 0
-    _, compute = PRECISION_BYTES[normalize_precision(options.precision)]
     return gpt_activation_bytes(
         spec.gpt,
         options.batch_size,

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from lightning_fsdp.planner.llama import LlamaDims
 
 
 @dataclass(frozen=True)
@@ -82,11 +85,21 @@ def package_gpt(n_layer: int, d_model: int, n_head: int, vocab_size: int = 256, 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model for the planner: its FSDP units (the root last) and, for a GPT, its dimensions."""
+    """A model for the planner: its FSDP units (the root last) and, for a GPT or a Llama-family model, its
+    dimensions (which give the activation estimate)."""
 
     name: str
     units: tuple[Unit, ...]
     gpt: Optional[GPTDims] = None
+    llama: Optional[LlamaDims] = None
+
+    @property
+    def has_activation_model(self) -> bool:
+        return self.gpt is not None or self.llama is not None
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(p.numel for p in self.params if p.trainable)
 
     @property
     def params(self) -> list[Param]:

@@ -18,7 +18,10 @@ from lightning_fsdp.checkpoint.pretrained import read_weights
 from lightning_fsdp.cli import COMMANDS
 from lightning_fsdp.cli import main as cli_main
 from lightning_fsdp.memory import MemoryReport
-from lightning_fsdp.models import GPTLightningModule, count_params
+from lightning_fsdp.models import GPTLightningModule, HFCausalLM, count_params
+from lightning_fsdp.models.hf_causal_lm import write_random_model
+from lightning_fsdp.planner.llama import llama_dims, llama_model_spec
+from lightning_fsdp.sharding import parameters_on_meta
 from lightning_fsdp.train import (
     ConfigError,
     compose_config,
@@ -29,6 +32,7 @@ from lightning_fsdp.train import (
     validate_config,
     world_size_of,
 )
+from tests.helpers.hf import TINY_LLAMA
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 GROUPS = ("trainer", "strategy", "model", "data", "callbacks", "logger", "experiment", "debug")
@@ -49,7 +53,9 @@ def test_every_group_has_options_and_the_layout_is_complete():
     for group in GROUPS:
         assert options(group), group
     assert set(options("strategy")) == {"fsdp_custom", "fsdp_custom_offload", "fsdp_custom_hybrid", "ddp"}
-    assert {"gpt_medium_offload", "finetune_pretrained", "hsdp", "cnn_shapes"} <= set(options("experiment"))
+    assert {"gpt_medium_offload", "finetune_pretrained", "hsdp", "cnn_shapes", "finetune_hf_lora"} <= set(
+        options("experiment")
+    )
     for path in (CONFIGS / "experiment").glob("*.yaml"):
         assert path.read_text().startswith("# @package _global_"), path.name
 
@@ -95,6 +101,14 @@ def test_model_options_instantiate_and_build(tmp_path, option):
         with torch.device("meta"):  # as under the sharded strategy; sizes only
             model.configure_model()
         assert sum(p.numel() for p in model.parameters()) == count_params(model.config)
+    elif isinstance(model, HFCausalLM):
+        pytest.importorskip("transformers")
+        write_random_model(model.hparams.model_dir, {**TINY_LLAMA, "model_type": "llama"})
+        with parameters_on_meta():
+            model.configure_model()
+        assert all(p.is_meta for p in model.parameters())  # as under the sharded strategy: shapes only
+        expected = llama_model_spec(llama_dims(TINY_LLAMA)).numel
+        assert sum(p.numel() for p in model.parameters()) == expected
     else:
         assert model(torch.randn(2, 1, 32, 32)).shape == (2, 4)
 
@@ -163,6 +177,9 @@ def test_experiments_compose_validate_and_instantiate(tmp_path, option):
         assert strategy.cpu_offload and strategy.activation_checkpointing_policy == ["TransformerBlock"]
     if option == "finetune_pretrained":
         assert strategy.pretrained_weights.endswith(".pt") and cfg.pretrained_if_missing == "init"
+    if option == "finetune_hf_lora":
+        assert strategy.pretrained_weights == model.hparams.model_dir and model.hparams.lora["r"] == 8
+        assert cfg.pretrained_init.model_type == "llama" and list(cfg.export.formats) == ["hf", "peft"]
 
 
 @pytest.mark.parametrize("option", options("debug"))

@@ -125,6 +125,7 @@ EXPERIMENTS = {
     "gpt_medium_offload": ["debug=fast_dev_run", SMALL_CORPUS],
     "hsdp": ["debug=fast_dev_run", SMALL_CORPUS],
     "finetune_pretrained": ["debug=steps", SMALL_CORPUS],
+    "finetune_hf_lora": ["debug=steps", SMALL_CORPUS, "sample.max_new_tokens=4"],
 }
 
 
@@ -150,6 +151,19 @@ def test_every_experiment_runs_with_a_debug_override(tmp_path, experiment):
     elif experiment == "finetune_pretrained":
         assert (tmp_path / "outputs" / "pretrained" / "gpt_L6_d256_v256.pt").is_file()  # pretrained_if_missing=init
         assert result["global_step"] == 4
+    elif experiment == "finetune_hf_lora":
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        assert result["wrapped_units"] == [f"model.base_model.model.model.layers.{i}" for i in range(4)] + [""]
+        merged = AutoModelForCausalLM.from_pretrained(result["exports"]["hf"])
+        tokenizer = AutoTokenizer.from_pretrained(result["exports"]["hf"])
+        assert tokenizer("Return")["input_ids"] == list(b"Return")  # byte-level, as trained
+        base = tmp_path / "outputs" / "pretrained" / "llama_byte_L4_d256"  # pretrained_if_missing=init wrote it
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), result["exports"]["peft"])
+        expected = adapted.merge_and_unload().state_dict()
+        for name, value in merged.state_dict().items():
+            torch.testing.assert_close(value, expected[name])
 
 
 def test_multirun_runs_each_job_in_its_own_folder(tmp_path):

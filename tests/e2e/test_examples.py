@@ -1,0 +1,18 @@
+"""The examples run as a user would run them (fresh processes, from a working directory of their own)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.launch import REPO, run_python
+
+
+def test_hf_lora_example_writes_a_model_fine_tunes_it_and_exports_it(tmp_path):
+    pytest.importorskip("peft")
+    proc = run_python([str(REPO / "examples" / "finetune_hf_lora.py"), "base", "3"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "outputs" / "finetune_hf_lora"
+    assert (tmp_path / "base" / "model.safetensors.index.json").is_file()  # several shards, as from the Hub
+    assert {"config.json", "tokenizer.json"} <= {p.name for p in (out / "hf_model").iterdir()}
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert "trained 57,344 of 3,090,688 parameters" in proc.stdout

@@ -1,0 +1,64 @@
+"""The planner's Llama-family geometry and LoRA subset against real transformers/PEFT models and published counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_fsdp import planner
+from lightning_fsdp.planner.llama import PRESETS, llama_dims, llama_model_spec, with_lora
+from tests.helpers.hf import LORA, TINY_LLAMA
+
+
+@pytest.mark.parametrize(
+    ("preset", "params"),
+    [("llama-3-8b", 8_030_261_248), ("llama-2-70b", 68_976_648_192), ("mistral-7b", 7_241_732_096)],
+)
+def test_published_parameter_counts(preset, params):
+    assert llama_model_spec(llama_dims(PRESETS[preset])).numel == params
+
+
+def test_llama_3_8b_lora_r16_trainable_count_as_peft_reports():
+    dims = with_lora(llama_dims(PRESETS["llama-3-8b"]), 16, ("q_proj", "v_proj"))
+    assert llama_model_spec(dims).trainable_numel == 6_815_744
+
+
+def test_shapes_and_units_equal_a_real_model_with_and_without_lora():
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import torch
+
+    config = transformers.LlamaConfig(**TINY_LLAMA)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    spec = llama_model_spec(llama_dims(config.to_dict()))
+    assert {p.name: p.shape for p in spec.params} == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert [u.name for u in spec.blocks] == [u.name for u in planner.spec_from_module(model).blocks]
+    with torch.device("meta"):
+        lora_model = peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(**LORA))
+    lora_spec = llama_model_spec(with_lora(llama_dims(config.to_dict()), LORA["r"], LORA["target_modules"]))
+    trainable = sum(p.numel() for p in lora_model.parameters() if p.requires_grad)
+    assert lora_spec.trainable_numel == trainable
+    assert lora_spec.numel == sum(p.numel() for p in lora_model.parameters())
+
+
+def test_lora_keeps_only_adapter_state_but_gathers_the_base():
+    options = planner.PlanOptions(world_size=8, precision="bf16-mixed", batch_size=1, seq_len=4096)
+    full = planner.estimate(llama_model_spec(llama_dims(PRESETS["llama-3-8b"])), options)
+    dims = with_lora(llama_dims(PRESETS["llama-3-8b"]), 16, ("q_proj", "v_proj"))
+    lora = planner.estimate(llama_model_spec(dims), options)
+    assert lora.params > full.params  # adapters on top of the (frozen, still stored) base
+    assert lora.optimizer < full.optimizer / 500 and lora.grads < full.grads / 500
+    assert lora.gathered >= full.gathered  # the frozen base is all-gathered for compute all the same
+
+
+def test_estimate_command_takes_a_config_json_or_a_preset(tmp_path, capsys):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    assert planner.main(["--hf-config", str(tmp_path), "-n", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == str(tmp_path) and out["activations"] > 0
+    assert planner.main(["--hf-config", "llama-2-70b", "--lora-rank", "8", "-n", "8", "--precision", "bf16-mixed",
+                         "--activation-checkpointing", "--device-memory", "80GB"]) == 0
+    assert "trainable" in capsys.readouterr().out
+    assert planner.main(["--lora-rank", "8", "--layers", "2", "--width", "64", "--vocab", "10"]) == 2
