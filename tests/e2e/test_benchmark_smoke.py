@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from tests.helpers.launch import REPO, run_python
 
 
@@ -44,3 +46,13 @@ def test_quick_benchmark_writes_tables_and_plots(tmp_path):
     assert "## Headline" not in (out / "headline.md").read_text()  # the bare table, for the project README
     for image in ("memory_per_rank_vs_world.png", "step_time_vs_model_size.png"):
         assert (out / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_quick_hf_load_benchmark_runs_every_peer(tmp_path):
+    pytest.importorskip("transformers")
+    proc = run_python([str(REPO / "benchmarks" / "hf_load.py"), "--quick", "--out", str(tmp_path)], timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    data = json.loads((tmp_path / "hf_load_quick.json").read_text())
+    assert set(data["results"]["2"]) == {"sharded", "broadcast", "from_pretrained"}
+    assert all(len(rows) == 2 and all(r["seconds"] > 0 for r in rows) for rows in data["results"]["2"].values())
