@@ -51,6 +51,8 @@ __all__ = [
     "SubprocessScriptLauncher",
     "attached_trainer",
     "batches_processed",
+    "compile_errors",
+    "compiled_graph_count",
     "composable_checkpoint",
     "dcp_metadata_path",
     "dcp_set_element",
@@ -289,6 +291,32 @@ def foreach_lerp_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tenso
             t.lerp_(s, weight)
         return
     fused(list(targets), list(sources), weight)
+
+
+# -- torch.compile ----------------------------------------------------------------------------------------------------
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """The exception types torch.compile raises when it cannot compile a function (dynamo and inductor)."""
+    errors: list[type[BaseException]] = []
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+
+        errors.append(TorchDynamoException)
+    except ImportError:
+        pass
+    try:
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    except ImportError:
+        pass
+    return tuple(errors) or (RuntimeError,)
+
+
+def compiled_graph_count() -> int:
+    """Graphs torch.compile has compiled in this process so far (a growing count after warm-up is a recompile)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 # -- Hugging Face -----------------------------------------------------------------------------------------------------

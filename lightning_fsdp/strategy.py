@@ -38,6 +38,7 @@ from lightning_fsdp.precision import FSDP2Precision, MixedPrecisionArg
 from lightning_fsdp.preparation import Preparation, prepare_model
 from lightning_fsdp.resilience import Resilience, collective
 from lightning_fsdp.sharding import ShardingPlan, WrapPolicy, parameters_on_meta
+from lightning_fsdp.sharding.compile import CompileArg
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -73,6 +74,9 @@ class FSDPCustomStrategy(MeshStrategy):
             parameters that came from safetensors and refer to the files instead (LoRA: megabytes per save).
         pretrained_key_map: how model keys map to the pretrained files' keys, as ``{model prefix: file prefix}``;
             by default the layout is detected (the HF model under an attribute, with or without PEFT).
+        compile: ``torch.compile`` each FSDP unit's block before sharding (``True``, or a dict of ``torch.compile``
+            options such as ``{"fullgraph": True, "mode": "max-autotune"}``; ``"root": True`` compiles the root
+            unit too). Parameter names, and so checkpoints, are unchanged.
         skip_nonfinite_steps: if any rank sees a NaN/inf loss or gradient norm, every rank skips that optimizer
             step; after ``max_nonfinite_steps`` consecutive skips training stops with an error.
         max_nonfinite_steps: see ``skip_nonfinite_steps``.
@@ -100,6 +104,7 @@ class FSDPCustomStrategy(MeshStrategy):
         async_save: bool = False,
         pretrained_weights: Optional[compat.PATH] = None,
         pretrained_key_map: Optional[dict[str, str]] = None,
+        compile: CompileArg = False,
         skip_nonfinite_steps: bool = False,
         max_nonfinite_steps: int = 10,
     ) -> None:
@@ -118,12 +123,14 @@ class FSDPCustomStrategy(MeshStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        ShardingPlan(auto_wrap_policy, activation_checkpointing_policy, reshard_after_forward=reshard_after_forward)
+        ShardingPlan(auto_wrap_policy, activation_checkpointing_policy, reshard_after_forward=reshard_after_forward,
+                     compile=compile)  # validates the sharding arguments now, before any process starts
         check_state_dict_type(state_dict_type)
         self.auto_wrap_policy = auto_wrap_policy
         self.activation_checkpointing_policy = activation_checkpointing_policy
         self.cpu_offload = bool(cpu_offload)
         self.reshard_after_forward = reshard_after_forward
+        self.compile = compile
         self.state_dict_type: StateDictType = state_dict_type
         self.async_save = bool(async_save)
         self.pretrained_weights = pretrained_weights
@@ -191,6 +198,7 @@ class FSDPCustomStrategy(MeshStrategy):
             mp_policy=self.precision_plugin.mp_policy,
             offload_policy=offload,
             reshard_after_forward=self.reshard_after_forward,
+            compile=self.compile,
         )
         device = torch.device("cpu") if self.cpu_offload else self.root_device
         strict = self.lightning_module.strict_loading

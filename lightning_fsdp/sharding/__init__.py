@@ -3,12 +3,14 @@
 ==========================  ==========================================================================================
 :mod:`.policy`              the policy forms, validated (:func:`validate_policy`) and resolved to one predicate
 :mod:`.units`               the post-order walk that picks units (tied weights, containers, user-sharded modules)
-:mod:`.parallelize`         activation checkpointing → ``fully_shard`` bottom-up → the root, in that fixed order
+:mod:`.compile`             ``torch.compile`` of each unit's forward (names kept; errors name the unit)
+:mod:`.parallelize`         activation checkpointing → compile → ``fully_shard`` bottom-up → the root, in that order
 :mod:`.materialize`         meta-device models: parameters on meta and real buffers while building, then each rank
                             allocates and initialises only its shards (pluggable initialisers)
 ==========================  ==========================================================================================
 """
 
+from lightning_fsdp.sharding.compile import CompileArg, CompileError, compile_units
 from lightning_fsdp.sharding.materialize import (
     DEFAULT_RULES,
     InitRule,
@@ -30,12 +32,15 @@ from lightning_fsdp.sharding.units import select_units
 
 __all__ = [
     "AUTO",
+    "CompileArg",
+    "CompileError",
     "DEFAULT_RULES",
     "InitRule",
     "ShardingPlan",
     "UnitPolicy",
     "WrapPolicy",
     "apply_activation_checkpointing",
+    "compile_units",
     "find_repeated_block_classes",
     "has_meta_tensors",
     "materialize_meta_module",

@@ -1,5 +1,5 @@
-"""Apply a sharding plan to a model in the one order that works: activation checkpointing → ``fully_shard`` each
-unit bottom-up → the root.
+"""Apply a sharding plan to a model in the one order that works: activation checkpointing → ``torch.compile``
+each unit → ``fully_shard`` each unit bottom-up → the root.
 
 Every function takes ``(model, mesh, options)`` and returns what it did, so it is usable and testable without a
 Trainer.
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from torch import nn
 
 from lightning_fsdp._torch_compat import composable_checkpoint
+from lightning_fsdp.sharding.compile import CompileArg, compile_options, compile_units
 from lightning_fsdp.sharding.policy import WrapPolicy, validate_policy
 from lightning_fsdp.sharding.units import select_units
 
@@ -30,8 +31,10 @@ class ShardingPlan:
     mp_policy: Optional[MixedPrecisionPolicy] = None
     offload_policy: Optional[OffloadPolicy] = None
     reshard_after_forward: Union[bool, int] = True
+    compile: CompileArg = False
 
     def __post_init__(self) -> None:
+        compile_options(self.compile)  # validates
         validate_policy(self.wrap_policy, "auto_wrap_policy")
         validate_policy(self.activation_checkpointing, "activation_checkpointing_policy")
         if not isinstance(self.reshard_after_forward, (bool, int)):
@@ -60,8 +63,10 @@ def shard_model(
     mp_policy: Optional[MixedPrecisionPolicy] = None,
     offload_policy: Optional[OffloadPolicy] = None,
     reshard_after_forward: Union[bool, int] = True,
+    compile: CompileArg = False,
 ) -> list[str]:
-    """``fully_shard`` each selected unit bottom-up, then the root. Returns the unit names (root is ``""``).
+    """``fully_shard`` each selected unit bottom-up, then the root (each unit compiled first, with ``compile``).
+    Returns the unit names (root is ``""``).
 
     Idempotent: a model whose root is already an ``FSDPModule`` is left untouched.
     """
@@ -75,6 +80,7 @@ def shard_model(
         "offload_policy": offload_policy or OffloadPolicy(),
     }
     names = select_units(model, policy)
+    compile_units(model, [*names, ""], compile)
     modules = dict(model.named_modules())
     for name in names:
         fully_shard(modules[name], reshard_after_forward=reshard_after_forward, **kwargs)
@@ -97,4 +103,5 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[
         mp_policy=plan.mp_policy,
         offload_policy=plan.offload_policy,
         reshard_after_forward=plan.reshard_after_forward,
+        compile=plan.compile,
     )

@@ -76,3 +76,46 @@ def test_parity_gradient_accumulation(tmp_path):
     result = _sharded(tmp_path, 2, steps=4, accumulate=2)
     assert len(result["losses"]) == 2 * len(reference["losses"])
     assert_parity(result, reference)
+
+
+# -- torch.compile per unit ------------------------------------------------------------------------------------------
+def _checkpoint_keys(path) -> list[str]:
+    from lightning_fsdp.checkpoint.safe_load import read_metadata
+
+    return list(read_metadata(path).state_dict_metadata)
+
+
+def test_compiled_units_with_activation_checkpointing_equal_one_process(tmp_path):
+    """fp32 on CPU: inductor's fused kernels reproduce the eager reference at torch's default fp32 tolerances, so
+    the compiled run is held to them too. One graph serves the three identical blocks, forward and recompute
+    alike; none is compiled after the warm-up steps; the checkpoint keeps the parameter names."""
+    reference = _reference(tmp_path)
+    kwargs = {"compile": True, "activation_checkpointing_policy": ["Block"]}
+    result = _sharded(tmp_path, 2, name="compiled", strategy_kwargs=kwargs, count_compiles_after=2,
+                      save_path=str(tmp_path / "compiled.ckpt"))
+    assert result["wrapped_units"] == ["net.layers.0", "net.layers.1", "net.layers.2", ""]
+    assert_parity(result, reference)
+    assert result["compiled_graphs"]["after_warmup"] == result["compiled_graphs"]["at_end"] >= 1
+    keys = _checkpoint_keys(tmp_path / "compiled.ckpt")
+    assert "state_dict/net.layers.0.qkv.weight" in keys and not any("_orig_mod" in k for k in keys)
+
+
+@pytest.mark.slow
+def test_compiled_bf16_mixed_at_four_ranks_tracks_eager(tmp_path):
+    """bf16-mixed: the compiled graph may keep intermediates in fp32 where eager rounds them to bf16, so compiled
+    and eager agree to bf16's own resolution (torch's bf16 defaults: rtol 1.6e-2), not fp32's."""
+    eager = _sharded(tmp_path, 4, name="eager_bf16", precision="bf16-mixed")
+    compiled = _sharded(tmp_path, 4, name="compiled_bf16", precision="bf16-mixed", strategy_kwargs={"compile": True})
+    torch.testing.assert_close(
+        torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1.6e-2, atol=1e-5
+    )
+
+
+@pytest.mark.slow
+def test_compiled_hsdp_offload_meta_init_equals_eager(tmp_path):
+    """compile with HSDP (2 × 2), CPU offload and a model built on the meta device: equal to the same run eager."""
+    kwargs = {"replicate_size": 2, "shard_size": 2, "cpu_offload": True}
+    common = {"devices": 4, "batch_size": GLOBAL_BATCH // 4, "max_steps": STEPS, "empty_init": True}
+    eager = train({**common, "strategy_kwargs": kwargs}, tmp_path, "eager_hsdp")
+    compiled = train({**common, "strategy_kwargs": {**kwargs, "compile": True}}, tmp_path, "compiled_hsdp")
+    assert_parity(compiled, eager)

@@ -130,6 +130,24 @@ class CountNormWork(Callback):
         self.step_active = False
 
 
+class CountCompiles(Callback):
+    """Graphs torch.compile built by the start of batch ``after`` (warm-up) and by the end of training."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.warm, self.final = after, -1, -1
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from lightning_fsdp._torch_compat import compiled_graph_count
+
+        if batch_idx == self.after:
+            self.warm = compiled_graph_count()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from lightning_fsdp._torch_compat import compiled_graph_count
+
+        self.final = compiled_graph_count()
+
+
 def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """Gathered full parameters (a collective on sharded strategies)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -155,6 +173,9 @@ def main(spec: dict) -> None:
     counter = CountAllGathers(at=spec["count_all_gathers_at"]) if "count_all_gathers_at" in spec else None
     if counter is not None:
         callbacks.append(counter)
+    compiles = CountCompiles(after=spec["count_compiles_after"]) if "count_compiles_after" in spec else None
+    if compiles is not None:
+        callbacks.append(compiles)
     norm_counter = CountNormWork(at=spec["count_norm_work_at"]) if "count_norm_work_at" in spec else None
     if norm_counter is not None:
         callbacks.append(norm_counter)
@@ -193,6 +214,8 @@ def main(spec: dict) -> None:
         result["all_gathers_in_step"] = counter.count
     if norm_counter is not None:
         result["norm_work_in_step"] = norm_counter.counts
+    if compiles is not None:
+        result["compiled_graphs"] = {"after_warmup": compiles.warm, "at_end": compiles.final}
     if hasattr(trainer.strategy, "state_bytes"):
         sb = trainer.strategy.state_bytes().as_dict()
         gathered = trainer.strategy.all_gather(torch.tensor([sb["params"], sb["grads"], sb["optimizer"]]))
