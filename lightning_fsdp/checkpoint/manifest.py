@@ -7,34 +7,33 @@ read its shards back; verification on load splits the files over the ranks (:fun
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
 import re
-import threading
+import stat
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_fsdp.checkpoint.checksums import (  # noqa: F401 - the checksum API, also reached through here
+    ALGORITHMS,
+    HASH_ALGORITHM,
+    FileEntry,
+    FileRecords,
+    HashingWriter,
+    NotARegularFile,
+    hash_file,
+    kind_of,
+    require_regular,
+)
 from lightning_fsdp.checkpoint.errors import CheckpointError
 
 MANIFEST_NAME = "manifest.json"
 META_NAME = "meta.pt"
 FORMAT_NAME = "lightning_fsdp.sharded"
 FORMAT_VERSION = 1
-HASH_ALGORITHM = "sha256"
-_CHUNK = 8 << 20
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """One file of a checkpoint: its size in bytes and its checksum (hex)."""
-
-    size: int
-    checksum: str
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ class Manifest:
                     " upgrade lightning_fsdp"
                 )
             algorithm = str(data["hash_algorithm"])
-            if algorithm not in hashlib.algorithms_guaranteed:
+            if algorithm not in ALGORITHMS:
                 raise ValueError(f"unknown hash_algorithm {algorithm!r}")
             files = {}
             for name, entry in data["files"].items():
@@ -163,114 +162,14 @@ def build_manifest(
     )
 
 
-# -- checksums ----------------------------------------------------------------------------------------------------------
-def new_hash(algorithm: str = HASH_ALGORITHM) -> Any:
-    return hashlib.new(algorithm)
-
-
-def hash_file(path: Path, algorithm: str = HASH_ALGORITHM) -> FileEntry:
-    """Size and checksum of a file, read in 8 MiB chunks (``hashlib`` releases the GIL on large updates)."""
-    h = new_hash(algorithm)
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-            size += n
-    return FileEntry(size, h.hexdigest())
-
-
-class HashingWriter(io.RawIOBase):
-    """A binary file that hashes what is written to it; the entry is recorded when it closes cleanly."""
-
-    def __init__(self, path: Path, on_close: Any = None, algorithm: str = HASH_ALGORITHM) -> None:
-        super().__init__()
-        self.path = Path(path)
-        self._file = open(self.path, "wb")
-        self._hash = new_hash(algorithm)
-        self._size = 0
-        self._on_close = on_close
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        n = self._file.write(view)
-        if n is None:  # pragma: no cover - only for non-blocking raw files
-            n = 0
-        self._hash.update(view[:n])
-        self._size += n
-        return n
-
-    def tell(self) -> int:
-        return self._file.tell()
-
-    def seekable(self) -> bool:
-        return False
-
-    def fileno(self) -> int:
-        return self._file.fileno()
-
-    def flush(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-
-    def fsync(self) -> None:
-        self.flush()
-        os.fsync(self._file.fileno())
-
-    @property
-    def entry(self) -> FileEntry:
-        return FileEntry(self._size, self._hash.hexdigest())
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            self._file.close()
-        finally:
-            super().close()
-        if self._on_close is not None:
-            self._on_close(self.path, self.entry)
-
-    def abort(self) -> None:
-        """Close without recording (the write failed)."""
-        self._on_close = None
-        self.close()
-
-
-class FileRecords:
-    """Thread-safe ``{file name: FileEntry}`` of what this process wrote into one directory."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.entries: dict[str, FileEntry] = {}
-
-    def record(self, path: Path, entry: FileEntry) -> None:
-        with self._lock:
-            self.entries[Path(path).name] = entry
-
-    def rename(self, old: Path, new: Path) -> None:
-        with self._lock:
-            if Path(old).name in self.entries:
-                self.entries[Path(new).name] = self.entries.pop(Path(old).name)
-
-    def snapshot(self) -> dict[str, FileEntry]:
-        with self._lock:
-            return dict(self.entries)
-
-
 # -- verification -------------------------------------------------------------------------------------------------------
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 def assign_files(sizes: Mapping[str, int], world_size: int) -> list[list[str]]:
-    """Split files over ranks for hashing: balanced by bytes, largest first, each to the least-loaded rank.
+    """Split files over ranks for hashing: each rank's own shard file (``__<rank>_*.distcp``) to that rank — the one
+    that reads it for loading at the same world size, so its bytes are hashed where they are then read from the page
+    cache — and the rest balanced by bytes, largest first, each to the least-loaded rank.
 
     Deterministic, so every rank computes the same assignment from the same manifest.
     """
@@ -278,7 +177,16 @@ def assign_files(sizes: Mapping[str, int], world_size: int) -> list[list[str]]:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
     loads = [0] * world_size
     out: list[list[str]] = [[] for _ in range(world_size)]
+    rest = []
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        owner = _RANK_FILE.match(name)
+        if owner is not None and int(owner.group(1)) < world_size:
+            rank = int(owner.group(1))
+            out[rank].append(name)
+            loads[rank] += max(sizes[name], 1)
+        else:
+            rest.append(name)
+    for name in rest:
         rank = min(range(world_size), key=lambda r: (loads[r], r))
         out[rank].append(name)
         loads[rank] += max(sizes[name], 1)
@@ -286,30 +194,51 @@ def assign_files(sizes: Mapping[str, int], world_size: int) -> list[list[str]]:
 
 
 def check_files(root: Path, manifest: Manifest, names: Iterable[str], *, checksums: bool = True) -> list[str]:
-    """Problems with ``names`` under ``root`` against the manifest: missing, wrong size, wrong checksum."""
+    """Problems with ``names`` under ``root`` against the manifest: not a regular file, missing, wrong size, wrong
+    checksum. No file is read past the size the manifest gives."""
     problems = []
     for name in names:
         entry = manifest.files[name]
         path = root / name
         try:
-            size = path.stat().st_size
+            size = require_regular(path).st_size
         except FileNotFoundError:
             problems.append(f"{name} is missing")
+            continue
+        except NotARegularFile as err:
+            problems.append(f"{err} (refused: it could block, never end, or lie outside the checkpoint)")
             continue
         if size != entry.size:
             problems.append(f"{name} has {size} bytes, the manifest says {entry.size} (truncated or overwritten)")
             continue
         if checksums:
-            actual = hash_file(path, manifest.hash_algorithm)
-            if actual.checksum != entry.checksum:
+            actual = hash_file(path, manifest.hash_algorithm, limit=entry.size)
+            if actual.checksum != entry.checksum or actual.size != entry.size:
                 problems.append(
                     f"{name} fails its {manifest.hash_algorithm} checksum (the file was modified or damaged)"
                 )
     return problems
 
 
+def check_entries(path: Path) -> None:
+    """Every entry of a checkpoint directory must be a regular file: symlinks (to ``/dev/zero``, or to a file
+    elsewhere), devices, FIFOs and sockets are refused by name before anything is opened."""
+    bad = []
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        mode = entry.stat(follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            bad.append(f"{entry.name} ({kind_of(mode)})")
+    if bad:
+        raise CheckpointError(
+            f"Checkpoint {path} holds entries that are not regular files: {', '.join(bad)}. A checkpoint is read only"
+            " through regular files inside its directory (a link, device or FIFO could block, never end, or point"
+            " outside it); nothing was read. Replace them with the files themselves."
+        )
+
+
 def read_manifest(path: Path) -> Manifest:
-    """The manifest of the checkpoint directory ``path``; a :class:`CheckpointError` if it has none or a bad one."""
+    """The manifest of the checkpoint directory ``path``; a :class:`CheckpointError` if it has none or a bad one,
+    or if the directory holds anything but regular files."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(
@@ -318,11 +247,20 @@ def read_manifest(path: Path) -> Manifest:
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file, not a sharded checkpoint directory.")
     manifest_path = path / MANIFEST_NAME
-    if not manifest_path.is_file():
+    if not (manifest_path.exists() or manifest_path.is_symlink()):
+        if (path / ".metadata").is_file():  # a complete DCP save by another tool (ModelParallelStrategy, torchtitan)
+            raise CheckpointError(
+                f"{path} is not a checkpoint: it has no {MANIFEST_NAME}. It looks like a DCP checkpoint written by"
+                " another tool (Lightning's ModelParallelStrategy, plain torch.distributed.checkpoint); to load it"
+                f" with fsdp_custom, seal it first (checks it is complete, hashes it, writes the manifest):"
+                f" `lightning-fsdp seal {path}`."
+            )
         raise CheckpointError(
             f"{path} is not a checkpoint: it has no {MANIFEST_NAME}, so it was never committed (a save that did not"
             " finish, or a directory written by another tool). Load an earlier checkpoint, or delete this directory."
+            f" If another tool wrote it completely, `lightning-fsdp seal {path}` checks it and makes it loadable."
         )
+    check_entries(path)
     return Manifest.from_json(manifest_path.read_text(), manifest_path)
 
 

@@ -156,6 +156,8 @@ class StagedSave:
     mesh: tuple[int, ...]
     extra: dict[str, Any]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: what DCP wrote (returned by a synchronous ``dcp.save``; an async save's is read back from ``.metadata``)
+    metadata: Any = None
 
     def cleanup(self) -> None:
         """On every rank after a failure: rank 0 deletes the staging directory."""
@@ -195,7 +197,7 @@ def write_shards(save: StagedSave, async_group: Any = None) -> Optional[Future]:
             on_error=save.cleanup,
             hint=SAVE_HINT,
         )
-    agreed(
+    save.metadata = agreed(
         lambda: single_process_ok(dcp.save, tensors, storage_writer=writer, no_dist=not is_distributed()),
         f"Writing the shards of checkpoint {save.target}",
         on_error=save.cleanup,
@@ -213,7 +215,7 @@ def commit(save: StagedSave, state_dict_type: str = "sharded") -> None:
         files: dict[str, FileEntry] = {}
         for per_rank in written:
             files.update(per_rank)
-        check_staged(save.staging, files)
+        check_staged(save.staging, files, save.metadata)
         manifest = build_manifest(
             files,
             world_size=world,
@@ -235,7 +237,7 @@ def commit(save: StagedSave, state_dict_type: str = "sharded") -> None:
     agreed(on_rank_zero(run), f"Committing checkpoint {save.target}", on_error=save.cleanup, hint=SAVE_HINT)
 
 
-def check_staged(staging: Path, files: Mapping[str, FileEntry]) -> None:
+def check_staged(staging: Path, files: Mapping[str, FileEntry], metadata: Any = None) -> None:
     """The staged directory holds exactly the files the ranks reported, at the sizes they wrote."""
     present = {p.name: p.stat().st_size for p in staging.iterdir() if p.name != MANIFEST_NAME + ".tmp"}
     missing = sorted(set(files) - set(present))
@@ -246,7 +248,8 @@ def check_staged(staging: Path, files: Mapping[str, FileEntry]) -> None:
             f"The staged checkpoint {staging} does not match what the ranks wrote (missing {missing}, unexpected"
             f" {extra}, wrong size {wrong}); it was not committed. Check the file system (is it shared by all ranks?)."
         )
-    metadata = load_metadata_bytes((staging / ".metadata").read_bytes(), staging / ".metadata")
+    if metadata is None:
+        metadata = load_metadata_bytes((staging / ".metadata").read_bytes(), staging / ".metadata")
     referenced = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
     unknown = sorted(str(r) for r in referenced - set(files))
     if unknown:

@@ -7,7 +7,7 @@ a corrupt or lying header (safetensors checks offsets against the file size), or
 file (a FIFO or device would block or never end; symlinks to regular files, as in the Hub's cache, are fine).
 
 :meth:`HFDirectory.identity` is what a checkpoint records to refer to these weights instead of storing them: the
-index's hash and every file's size and SHA-256 (hashed split over the ranks).
+index's hash and every file's size and checksum (CRC-32, hashed split over the ranks).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from typing import Any, Union
 
 import torch
 
+from lightning_fsdp.checkpoint.checksums import HASH_ALGORITHM, hash_file
 from lightning_fsdp.checkpoint.errors import CheckpointError
-from lightning_fsdp.checkpoint.manifest import assign_files, hash_file
+from lightning_fsdp.checkpoint.manifest import assign_files
 from lightning_fsdp.formatting import short_list
 from lightning_fsdp.parallel.collectives import all_gather_object, rank, world_size
 
@@ -118,13 +119,13 @@ class HFDirectory:
         return sum(self.sizes.values())
 
     def hash_share(self) -> dict[str, str]:
-        """SHA-256 of this rank's share of the files (the files are split over the ranks by size)."""
+        """Checksums of this rank's share of the files (split over the ranks by size), bounded by their sizes."""
         mine = assign_files(self.sizes, world_size())[rank()]
-        return {name: hash_file(self.root / name).checksum for name in mine}
+        return {name: hash_file(self.root / name, limit=self.sizes[name]).checksum for name in mine}
 
     def hash_all(self) -> dict[str, str]:
-        """SHA-256 of every file, in this process alone (e.g. an export, process group or not)."""
-        return {name: hash_file(self.root / name).checksum for name in self.files}
+        """Checksums of every file, in this process alone (e.g. an export, process group or not)."""
+        return {name: hash_file(self.root / name, limit=self.sizes[name]).checksum for name in self.files}
 
     def identity(self, digests: Mapping[str, str]) -> dict[str, Any]:
         """What a checkpoint records about these weights, from every rank's :meth:`hash_share`. Two directories with
@@ -132,7 +133,8 @@ class HFDirectory:
         return {
             "path": str(self.root.resolve()),
             "index_sha256": self.index_sha256,
-            "files": {name: {"size": self.sizes[name], "sha256": digests.get(name, "")} for name in self.files},
+            "algorithm": HASH_ALGORITHM,
+            "files": {name: {"size": self.sizes[name], "checksum": digests.get(name, "")} for name in self.files},
         }
 
 

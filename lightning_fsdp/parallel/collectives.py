@@ -59,6 +59,22 @@ def all_gather_object(obj: T) -> list[T]:
     return out
 
 
+def collective_device() -> torch.device:
+    """Where a small tensor for a collective on the default group must live: the current GPU under NCCL alone."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank: one all-reduce of one integer (no pickling)."""
+    if not is_distributed():
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def all_equal(values: Sequence[float], device: torch.device) -> bool:
     """Whether every rank passed the same ``values``: one all-reduce of their minima and maxima."""
     if not is_distributed() or dist.get_world_size() < 2:
@@ -99,6 +115,8 @@ def agree(
         result = fn()
     except (Exception, CheckpointException) as err:
         error = (isinstance(err, error_type), describe_error(err) if not isinstance(err, error_type) else str(err))
+    if not any_rank(error is not None):  # the common case: one small all-reduce; messages only on failure
+        return result
     errors = all_gather_object(error)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if not failed:

@@ -12,6 +12,7 @@ import pickle
 import shlex
 import shutil
 import signal
+import time
 
 import pytest
 import torch
@@ -83,7 +84,7 @@ def _truncate(path):
 @pytest.mark.parametrize(
     ("damage", "expected"),
     [
-        (_flip_byte, "__1_0.distcp fails its sha256 checksum"),
+        (_flip_byte, "__1_0.distcp fails its crc32 checksum"),
         (lambda p: p.unlink(), "__1_0.distcp is missing"),
         (_truncate, "__1_0.distcp has"),
     ],
@@ -94,6 +95,23 @@ def test_damaged_shard_is_rejected_on_every_rank(tmp_path, base, damage, expecte
     damage(ckpt / "__1_0.distcp")
     message = _load_fails_on_every_rank(tmp_path, ckpt)
     assert "is damaged and was not loaded" in message and expected in message
+
+
+@pytest.mark.timeout(120)
+def test_a_fifo_that_the_manifest_agrees_with_is_refused_on_every_rank_without_blocking(tmp_path, base):
+    """Opening a FIFO blocks until a writer appears: a load that opened rank 1's shard would hang forever. The
+    directory is refused by name on every rank before any file is opened (the job's timeout would catch a hang)."""
+    ckpt = _copy_last(base, tmp_path)
+    shard = ckpt / "__1_0.distcp"
+    shard.unlink()
+    os.mkfifo(shard)
+    manifest = json.loads((ckpt / MANIFEST_NAME).read_text())
+    manifest["files"][shard.name] = {"size": 0, "checksum": "00000000"}  # what stat and an empty read would give
+    (ckpt / MANIFEST_NAME).write_text(json.dumps(manifest))
+    started = time.monotonic()
+    message = _load_fails_on_every_rank(tmp_path, ckpt)
+    assert "holds entries that are not regular files: __1_0.distcp (a FIFO)" in message
+    assert time.monotonic() - started < 60
 
 
 # -- crafted files ------------------------------------------------------------------------------------------------------
@@ -130,7 +148,7 @@ def test_directory_without_manifest_is_refused(tmp_path, base):
     ckpt = _copy_last(base, tmp_path)
     (ckpt / MANIFEST_NAME).unlink()
     message = _load_fails_on_every_rank(tmp_path, ckpt)
-    assert "is not a checkpoint: it has no manifest.json" in message
+    assert "is not a checkpoint: it has no manifest.json" in message and f"`lightning-fsdp seal {ckpt}`" in message
 
 
 # -- a rank killed in the middle of a save ------------------------------------------------------------------------------

@@ -40,6 +40,10 @@ def test_wheel_ships_configs_and_entry_points(installed):
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[lightning.pytorch.strategies]" in text and "fsdp_custom_hybrid" in text
     assert "lightning-fsdp = lightning_fsdp.cli:main" in text
+    # every subpackage in the tree ships: a package left out of pyproject's list only fails on a user's machine
+    packages = {str(p.parent.relative_to(REPO)) for p in (REPO / "lightning_fsdp").rglob("__init__.py")}
+    shipped = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
+    assert packages <= shipped, f"missing from [tool.setuptools] packages: {sorted(packages - shipped)}"
 
 
 def test_tools_discover_strategies_without_knowing_the_module(installed, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import zipfile
 
@@ -97,7 +98,7 @@ def test_flipped_byte_is_detected_before_any_state_changes(saved):
     fresh, fresh_opt = _model_and_optimizer(1)
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     with pytest.raises(
-        CheckpointError, match=r"is damaged and was not loaded: __0_0\.distcp fails its sha256 checksum"
+        CheckpointError, match=r"is damaged and was not loaded: __0_0\.distcp fails its crc32 checksum"
     ):
         Checkpointer().load(path, fresh, [fresh_opt])
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
@@ -258,3 +259,75 @@ def test_crafted_pretrained_file_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="Refusing to load"):
         load_pretrained(_model_and_optimizer(1)[0], tmp_path / "w.pt")
     assert not marker.exists()
+
+
+def _agreeing_manifest(path, name: str, size: int, checksum: str) -> None:
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    manifest["files"][name] = {"size": size, "checksum": checksum}
+    (path / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("entry", ["symlink_to_dev_zero", "symlink_outside", "fifo", "fifo_manifest"])
+def test_non_regular_entries_are_refused_without_reading_them(saved, tmp_path, entry):
+    """Even with a manifest that agrees with them (sizes and checksums of what they would yield), a checkpoint is
+    read only through regular files inside its directory: nothing blocks, nothing is restored."""
+    path, model, _ = saved
+    shard = path / "__0_0.distcp"
+    if entry == "symlink_outside":
+        outside = tmp_path / "elsewhere.distcp"
+        outside.write_bytes(shard.read_bytes())  # the very same bytes: checksums agree
+        shard.unlink()
+        shard.symlink_to(outside)
+        expected = "__0_0.distcp (a symlink)"
+    elif entry == "symlink_to_dev_zero":
+        shard.unlink()
+        shard.symlink_to("/dev/zero")  # endless; stat says 0 bytes
+        _agreeing_manifest(path, shard.name, 0, "00000000")  # the CRC-32 of nothing
+        expected = "__0_0.distcp (a symlink)"
+    elif entry == "fifo":
+        shard.unlink()
+        os.mkfifo(shard)  # opening it would block forever
+        _agreeing_manifest(path, shard.name, 0, "00000000")
+        expected = "__0_0.distcp (a FIFO)"
+    else:
+        manifest = path / MANIFEST_NAME
+        manifest.unlink()
+        os.mkfifo(manifest)  # even the manifest is never opened
+        expected = "manifest.json (a FIFO)"
+    fresh, fresh_opt = _model_and_optimizer(1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError, match=rf"holds entries that are not regular files: {re.escape(expected)}"):
+        Checkpointer().load(path, fresh, [fresh_opt])
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())  # nothing restored
+    with pytest.raises(CheckpointError, match="not regular files"):
+        verify_checkpoint(path)
+    with pytest.raises(CheckpointError, match="not regular files"):
+        consolidate_checkpoint(path, tmp_path / "out.ckpt")
+
+
+@pytest.mark.timeout(30)
+def test_a_file_longer_than_its_manifest_says_is_refused_without_reading_past_it(saved):
+    path, _, _ = saved
+    shard = path / "__0_0.distcp"
+    with open(shard, "ab") as f:
+        f.write(b"\0" * 4096)
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp has \d+ bytes, the manifest says \d+"):
+        Checkpointer().load(path, _model_and_optimizer(1)[0])
+
+
+def test_checkpoints_verified_with_sha256_before_the_switch_to_crc32_still_load(saved):
+    """Manifests written before checksums moved to CRC-32 record SHA-256: they verify as they are."""
+    path, model, opt = saved
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    manifest["hash_algorithm"] = "sha256"
+    for name in manifest["files"]:
+        manifest["files"][name]["checksum"] = hash_file(path / name, "sha256").checksum
+    (path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    fresh, _ = _model_and_optimizer(1)
+    Checkpointer().load(path, fresh)
+    assert _equal_state(model, fresh)
+    assert json.loads((path / MANIFEST_NAME).read_text())["hash_algorithm"] == "sha256"
+    new = path.parent / "new.ckpt"
+    Checkpointer().save_sharded(_lightning_checkpoint(model, opt), new)
+    assert json.loads((new / MANIFEST_NAME).read_text())["hash_algorithm"] == "crc32"
