@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_fsdp import planner  # noqa: E402
 from lightning_fsdp.formatting import format_bytes, parse_bytes  # noqa: E402
 from lightning_fsdp.planner.llama import PRESETS, llama_dims, llama_model_spec, with_lora  # noqa: E402
+
 rows = []
 for model in ["llama-2-70b", "llama-3-8b"]:
     for mode in ["full", "LoRA r=16 (q,v)"]:

@@ -38,6 +38,9 @@ MODELS: dict[str, dict[str, int]] = {
 }
 CPU_PEERS = ("fsdp_custom", "fsdp_custom_offload", "mp_fsdp2", "ddp")
 GPU_PEERS = ("fsdp_custom", "fsdp_custom_offload", "mp_fsdp2", "fsdp1", "ddp")
+#: the compile comparison: this package compiled and eager, against the hand-written peer eager and hand-compiled
+COMPILE_PEERS = ("fsdp_custom", "fsdp_custom_compiled", "mp_fsdp2", "mp_fsdp2_compiled")
+GPU_COMPILE_PEERS = (*COMPILE_PEERS, "fsdp_custom_offload", "fsdp_custom_offload_compiled")
 #: peers whose sharded checkpoint save/load is timed (ours against Lightning's ModelParallelStrategy)
 CHECKPOINT_PEERS = ("fsdp_custom", "mp_fsdp2")
 # glibc keeps freed heap pages resident (its mmap threshold grows to 32 MiB); a fixed threshold makes RSS follow
@@ -69,7 +72,7 @@ class Mode:
     budget_batch: int = 1
     timeout_s: float = 900.0
     #: save/load rounds per checkpointed configuration (the best of them is reported)
-    checkpoint_rounds: int = 2
+    checkpoint_rounds: int = 3
     #: per-model changes to the settings above (e.g. fewer steps for the largest model)
     per_model: dict[str, dict[str, int]] = field(default_factory=dict)
     #: (model, world) → how many times the step-time pair (fsdp_custom, mp_fsdp2) runs in total, alternating
@@ -92,8 +95,8 @@ def cpu_mode() -> Mode:
         # 200M parameters at 1-2 ranks add ~5 min on 2 cores and nothing the 4-rank runs and the single-process
         # reference do not already show
         skip={("gpt-200m", 1), ("gpt-200m", 2)},
-        # a 200M step takes ~10-20 s at 4 ranks on 2 cores: fewer steps, one checkpoint round
-        per_model={"gpt-200m": {"warmup": 1, "steps": 3, "checkpoint_rounds": 1}},
+        # a 200M step takes ~10-20 s at 4 ranks on 2 cores: fewer steps
+        per_model={"gpt-200m": {"warmup": 1, "steps": 3, "checkpoint_rounds": 2}},
         # the step-time target compares these two; one extra process on the 2 cores skews a single run by up to 2x
         pair_repeats={("gpt-5m", 2): 3, ("gpt-5m", 4): 3, ("gpt-50m", 2): 3, ("gpt-50m", 4): 3},
         budget_bytes=512 * 1024**2,
@@ -133,6 +136,18 @@ def gpu_mode(world: int) -> Mode:
         steps=15,
         timeout_s=300.0,
     )
+
+
+def compile_mode(gpu: bool) -> Mode:
+    """compile=True against eager and against ModelParallelStrategy eager and hand-compiled. CPU: the GPT-5M at 2
+    ranks (inductor gives no speed-up on small matmul-bound CPU blocks: the figures are reported as measured). GPU:
+    world size 1, with and without CPU offload, sized for 8 minutes on one GPU."""
+    if gpu:
+        return Mode(name="gpu-compile", device="cuda", precision="bf16-mixed", models=["gpt-200m"], worlds=[1],
+                    peers=list(GPU_COMPILE_PEERS), seq_len=1024, batch=8, warmup=5, steps=15, timeout_s=240.0)
+    return Mode(name="compile", device="cpu", precision="32-true", models=["gpt-5m"], worlds=[2],
+                peers=list(COMPILE_PEERS), seq_len=128, batch=1, warmup=3, steps=6, timeout_s=600.0,
+                checkpoint_rounds=1)
 
 
 # -- running configurations -------------------------------------------------------------------------------------------
@@ -291,6 +306,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--quick", action="store_true", help="tiny model, 1-2 ranks, 2 steps (smoke test)")
     which.add_argument("--gpu", action="store_true", help="CUDA comparison, adds Lightning's FSDP1")
+    parser.add_argument("--compile", action="store_true", help="compile=True against eager and the hand-compiled "
+                        "ModelParallelStrategy (with --gpu: world size 1, with and without offload, < 8 min)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--models", help="comma-separated subset of " + ", ".join(MODELS))
     parser.add_argument("--worlds", help="comma-separated world sizes")
@@ -309,7 +326,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not torch.cuda.is_available():
             print("--gpu needs CUDA, and torch.cuda.is_available() is False.", file=sys.stderr)
             return 2
-        mode = gpu_mode(torch.cuda.device_count())
+        mode = compile_mode(gpu=True) if args.compile else gpu_mode(torch.cuda.device_count())
+    elif args.compile:
+        mode = compile_mode(gpu=False)
     else:
         mode = quick_mode() if args.quick else cpu_mode()
     if args.models:
@@ -362,8 +381,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         "settings": {k: getattr(mode, k) for k in ("device", "precision", "seq_len", "batch", "warmup", "steps", "threads",
                                                    "vocab_size", "per_model", "checkpoint_rounds")},
     }
-    (args.out / "raw.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
-    write_report(meta, results, args.out)
+    if mode.name.endswith("compile"):
+        from benchmarks.report import write_compile_report
+
+        (args.out / f"{mode.name}.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
+        write_compile_report(meta, results, args.out / f"{mode.name}.md")
+    else:
+        (args.out / "raw.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
+        write_report(meta, results, args.out)
     failed = [r["spec"]["name"] for r in results if not r.get("ok")]
     print(f"results: {args.out} ({len(results) - len(failed)} ok, {len(failed)} failed, {meta['wall_s'] / 60:.1f} min)")
     return 1 if failed and (args.quick or len(failed) == len(results)) else 0

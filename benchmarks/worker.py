@@ -28,22 +28,28 @@ _START = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
-
-import lightning_fsdp  # noqa: E402,F401  (registers the strategy names)
-from lightning_fsdp.parallel.process_group import destroy_process_group_at_exit  # noqa: E402
-from lightning_fsdp.memory import MemoryReport, current_rss, global_state_bytes, local_state_bytes, peak_rss, reset_peak_rss  # noqa: E402
-from lightning_fsdp.models import GPTLightningModule  # noqa: E402
 
 # Modules the peers would otherwise import lazily during setup (our checkpoint and failure handling, DCP,
 # Lightning's other strategies): imported here so that code, for every peer alike, sits below the baseline.
 import lightning.pytorch.strategies.model_parallel  # noqa: E402,F401
+import torch  # noqa: E402
 import torch.distributed.checkpoint  # noqa: E402,F401
 import torch.distributed.fsdp  # noqa: E402,F401
+from lightning.pytorch.callbacks import Callback  # noqa: E402
 
+import lightning_fsdp  # noqa: E402,F401  (registers the strategy names)
 import lightning_fsdp.checkpoint  # noqa: E402,F401
 import lightning_fsdp.resilience  # noqa: E402,F401
+from lightning_fsdp.memory import (  # noqa: E402
+    MemoryReport,
+    current_rss,
+    global_state_bytes,
+    local_state_bytes,
+    peak_rss,
+    reset_peak_rss,
+)
+from lightning_fsdp.models import GPTLightningModule  # noqa: E402
+from lightning_fsdp.parallel.process_group import destroy_process_group_at_exit  # noqa: E402
 
 #: RSS once torch, Lightning and the package are imported: peak memory is reported above it
 IMPORT_BASELINE = current_rss()
@@ -120,9 +126,10 @@ COUNTER.install()
 class HandShardedGPT(GPTLightningModule):
     """What a user writes for Lightning's ``ModelParallelStrategy`` today: ``fully_shard`` each block, then the root."""
 
-    def __init__(self, *args, mp_dtype: str | None = None, **kwargs) -> None:
+    def __init__(self, *args, mp_dtype: str | None = None, compile_blocks: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.mp_dtype = mp_dtype
+        self.compile_blocks = compile_blocks
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -133,6 +140,8 @@ class HandShardedGPT(GPTLightningModule):
         mesh = self.device_mesh["data_parallel"]
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, self.mp_dtype), reduce_dtype=torch.float32) if self.mp_dtype else MixedPrecisionPolicy()
         for block in self.net.blocks:
+            if self.compile_blocks:  # as a user would: compile each block in place, then shard it
+                block.compile()
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(self.net, mesh=mesh, mp_policy=mp)
 
@@ -201,9 +210,14 @@ def build(spec: dict):
         strategy = "fsdp_custom"
     elif peer == "fsdp_custom_offload":
         strategy = "fsdp_custom_offload"
-    elif peer == "mp_fsdp2":
+    elif peer in ("fsdp_custom_compiled", "fsdp_custom_offload_compiled"):
+        from lightning_fsdp import FSDPCustomStrategy
+
+        strategy = FSDPCustomStrategy(compile=True, cpu_offload="offload" in peer)
+    elif peer in ("mp_fsdp2", "mp_fsdp2_compiled"):
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
         module_cls = HandShardedGPT
+        model_kwargs["compile_blocks"] = peer == "mp_fsdp2_compiled"
         if spec["precision"].startswith("bf16"):
             model_kwargs["mp_dtype"] = "bfloat16"
     elif peer == "ddp":
@@ -244,21 +258,46 @@ def _timed(trainer: L.Trainer, fn) -> float:
 
 
 def checkpoint_times(trainer: L.Trainer, root: Path, repeats: int = 2) -> dict:
-    """Save then load the sharded checkpoint ``repeats`` times; the best time of each. The load reads what the
-    save just wrote, from the page cache, for every peer alike."""
+    """Save then load the sharded checkpoint ``repeats`` times after one unmeasured round; the best time of each.
+
+    The warm-up round pays, for every peer alike, what only the first checkpoint of a run pays (DCP's first plans,
+    the allocator's first large buffers); the load reads what the save just wrote, from the page cache."""
     import shutil
 
-    saves, loads, size = [], [], 0
-    for i in range(repeats):
+    checkpointer = getattr(trainer.strategy, "checkpointer", None)  # ours: also time the load without checksums
+
+    def load(verify: bool) -> float:
+        if checkpointer is not None:
+            checkpointer.verify_checksums = verify
+        try:
+            return _timed(trainer, lambda: trainer.strategy.load_checkpoint(path))
+        finally:
+            if checkpointer is not None:
+                checkpointer.verify_checksums = True
+
+    saves, loads, unverified, size = [], [], [], 0
+    for i in range(repeats + 1):
         path = root / f"ckpt-{i}.ckpt"
-        saves.append(_timed(trainer, lambda: trainer.save_checkpoint(path)))
+        save_s = _timed(trainer, lambda: trainer.save_checkpoint(path))
         if trainer.is_global_zero:
             size = _dir_bytes(path)
-        loads.append(_timed(trainer, lambda: trainer.strategy.load_checkpoint(path)))
+        if checkpointer is not None and i % 2:  # alternate which load reads the fresh files first
+            unverified_s, load_s = load(False), load(True)
+        else:
+            load_s = load(True)
+            unverified_s = load(False) if checkpointer is not None else None
         trainer.strategy.barrier()
         if trainer.is_global_zero:
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-    return {"save_s": min(saves), "load_s": min(loads), "bytes": size, "save_all_s": saves, "load_all_s": loads}
+        if i > 0:
+            saves.append(save_s)
+            loads.append(load_s)
+            if unverified_s is not None:
+                unverified.append(unverified_s)
+    out = {"save_s": min(saves), "load_s": min(loads), "bytes": size, "save_all_s": saves, "load_all_s": loads}
+    if unverified:
+        out.update(unverified_load_s=min(unverified), unverified_load_all_s=unverified)
+    return out
 
 
 def run(spec: dict) -> None:
@@ -306,6 +345,7 @@ def run(spec: dict) -> None:
     if not trainer.is_global_zero:
         return
     times = timer.step_times
+    intervals = [b - a for a, b in zip(timer.ends, timer.ends[1:])]
     median = sorted(times)[len(times) // 2] if times else float("nan")
     if len(times) % 2 == 0 and times:
         median = (sorted(times)[len(times) // 2 - 1] + sorted(times)[len(times) // 2]) / 2
@@ -316,6 +356,7 @@ def run(spec: dict) -> None:
         "ok": True,
         "world": trainer.world_size,
         "step_times": times,
+        "first_step_s": intervals[0] if intervals else None,  # includes compilation for the compiled peers
         "median_step_s": median,
         "tokens_per_step": tokens,
         "tokens_per_s": tokens / median if median == median and median > 0 else None,
