@@ -4,6 +4,7 @@
 """
 
 from lightning_fsdp._version import __version__
+from lightning_fsdp.averaging import ShardedEMA
 from lightning_fsdp.checkpoint import CheckpointError, consolidate_checkpoint, load_pretrained, verify_checkpoint
 from lightning_fsdp.memory import MemoryReport, StateBytes, local_state_bytes
 from lightning_fsdp.parallel import MeshShape, resolve_mesh_shape
@@ -27,6 +28,7 @@ __all__ = [
     "MemoryReport",
     "MeshShape",
     "SafeOnExceptionCheckpoint",
+    "ShardedEMA",
     "StateBytes",
     "StrategySpec",
     "consolidate_checkpoint",

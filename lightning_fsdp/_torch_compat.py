@@ -61,6 +61,7 @@ __all__ = [
     "distributed_is_initialized",
     "distributed_rng_supported",
     "fast_paths",
+    "foreach_copy_",
     "foreach_lerp_",
     "foreach_mul_",
     "hf_init_weights",
@@ -280,6 +281,19 @@ def foreach_mul_(tensors: Sequence[torch.Tensor], scalar: Union[torch.Tensor, fl
     fused(list(tensors), scalar)
 
 
+def foreach_copy_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """``target.copy_(source)`` for every pair, in as few kernels as possible."""
+    if not targets:
+        return
+    fused = getattr(torch, "_foreach_copy_", None)
+    if fused is None:
+        warn_lost("foreach_copy", "the moving average's first value is copied with one kernel per tensor")
+        for t, s in zip(targets, sources):
+            t.copy_(s)
+        return
+    fused(list(targets), list(sources))
+
+
 def foreach_lerp_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], weight: float) -> None:
     """``target += weight * (source - target)`` for every pair, in as few kernels as possible."""
     if not targets:
@@ -364,6 +378,7 @@ _PROBES: dict[str, Callable[[], bool]] = {
     "failure_relay": _probe_default_store,
     "foreach_mul": lambda: callable(getattr(torch, "_foreach_mul_", None)),
     "foreach_lerp": lambda: callable(getattr(torch, "_foreach_lerp_", None)),
+    "foreach_copy": lambda: callable(getattr(torch, "_foreach_copy_", None)),
 }
 
 

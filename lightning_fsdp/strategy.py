@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp import _torch_compat as compat
+from lightning_fsdp.averaging import refuse_unsharded_averaging
 from lightning_fsdp.checkpoint.checkpointer import check_state_dict_type
 from lightning_fsdp.hf import LoadedBase, resolve_base
 from lightning_fsdp.hf.info import annotate_checkpoint
@@ -343,7 +344,21 @@ class FSDPCustomStrategy(MeshStrategy):
             optimizers=optimizers,
             strict=self.lightning_module.strict_loading,
             resolve_base=lambda reference: resolve_base(model, reference, self.pretrained_base),
+            model_entries=self._model_entries(),
         )
+
+    def _model_entries(self) -> tuple[str, ...]:
+        """The checkpoint entries keyed like the model that a callback takes (``ShardedEMA``'s average)."""
+        trainer = compat.attached_trainer(self.lightning_module)
+        callbacks = trainer.callbacks if trainer is not None else []
+        return tuple(dict.fromkeys(e for cb in callbacks if (e := getattr(cb, "checkpoint_entry", None))))
+
+    @override
+    def setup_environment(self) -> None:
+        trainer = compat.attached_trainer(self.lightning_module)
+        if trainer is not None:
+            refuse_unsharded_averaging(trainer.callbacks)  # before any process group: every rank fails alike
+        super().setup_environment()
 
     @override
     def remove_checkpoint(self, filepath: compat.PATH) -> None:

@@ -9,6 +9,7 @@ checkpoints until the checkpoint that replaces them is committed.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import warnings
@@ -25,6 +26,7 @@ from torch import nn
 from lightning_fsdp.checkpoint import commit as commit_ops
 from lightning_fsdp.checkpoint import full, sharded, sharded_load
 from lightning_fsdp.checkpoint.base_weights import BaseResolver
+from lightning_fsdp.checkpoint.checksums import kind_of
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.sharded import SAVE_HINT, StagedSave, agreed
 from lightning_fsdp.parallel.collectives import broadcast_object, is_distributed, on_rank_zero, rank, world_size
@@ -190,11 +192,13 @@ class Checkpointer:
         optimizers: Sequence[torch.optim.Optimizer] = (),
         strict: bool = True,
         resolve_base: Optional[BaseResolver] = None,
+        model_entries: Sequence[str] = (),
     ) -> dict[str, Any]:
         """Restore ``model`` (and ``optimizers``) in place from a sharded directory or a full ``.ckpt`` file.
 
         Returns the rest of the Lightning checkpoint (epoch, loops, callbacks, schedulers, hyper-parameters, ...).
-        ``resolve_base`` restores the frozen base weights a sharded checkpoint refers to (see ``base_weights``).
+        ``resolve_base`` restores the frozen base weights a sharded checkpoint refers to (see ``base_weights``);
+        ``model_entries`` names entries keyed like the model (an EMA's) to return, resharded like the model.
         """
         path = Path(path)
         self._commit_pending()
@@ -206,11 +210,15 @@ class Checkpointer:
                 return "dir"
             if path.is_file():
                 return "file"
+            if path.exists():
+                raise CheckpointError(f"{path} is {kind_of(os.stat(path).st_mode)}, not a checkpoint; refusing to read it.")
             raise CheckpointError(
                 f"Checkpoint {path} does not exist. Check the path (or pass ckpt_path=None to start fresh)."
             )
 
         kind = broadcast_object(agreed(on_rank_zero(detect), f"Loading checkpoint {path}"))
         if kind == "dir":
-            return sharded_load.load(path, model, list(optimizers), strict, self.verify_checksums, resolve_base)
-        return full.load(path, model, list(optimizers), strict, checksums=self.verify_checksums)
+            return sharded_load.load(
+                path, model, list(optimizers), strict, self.verify_checksums, resolve_base, tuple(model_entries)
+            )
+        return full.load(path, model, list(optimizers), strict, self.verify_checksums, tuple(model_entries))

@@ -26,7 +26,7 @@ from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.manifest import read_manifest, verify_files
 from lightning_fsdp.checkpoint.shard_reader import ShardReader
 from lightning_fsdp.checkpoint.sharded_load import read_state_files
-from lightning_fsdp.checkpoint.state import TensorPath, assemble_full_checkpoint
+from lightning_fsdp.checkpoint.state import MODEL_LIKE_KEYS, TensorPath, assemble_full_checkpoint, weight_paths
 
 Format = Literal["ckpt", "safetensors"]
 
@@ -95,11 +95,13 @@ def consolidate_checkpoint(
     progress: bool = True,
     verify: bool = True,
     base_tensors: Optional[BaseTensors] = None,
+    weights: str = "model",
 ) -> Path:
     """Write the sharded checkpoint ``src`` as one file ``dst`` (see the module docstring). Returns ``dst``.
 
     A checkpoint that refers to frozen base weights instead of storing them needs ``base_tensors`` to read them
-    (the ``lightning-fsdp consolidate`` command passes it).
+    (the ``lightning-fsdp consolidate`` command passes it). ``weights="ema"``: the model's weights are
+    ``ShardedEMA``'s average (a ``.ckpt`` then holds the average as its ``state_dict``, for evaluation).
     """
     src, dst = Path(src), Path(dst)
     if format not in ("ckpt", "safetensors"):
@@ -117,10 +119,17 @@ def consolidate_checkpoint(
         unknown = sorted(set(paths) - set(reader.tensor_keys()))
         if unknown:
             raise CheckpointError(f"{src}: meta.pt lists tensors that .metadata does not hold: {unknown[:5]}.")
-        entries: dict[TensorPath, Entry] = {}
-        for key, path in paths.items():
+        def entry(key: str) -> Entry:
             md = reader.metadata.state_dict_metadata[key]
-            entries[path] = (md.properties.dtype, tuple(md.size), lambda key=key: reader.read(key))
+            return (md.properties.dtype, tuple(md.size), lambda: reader.read(key))
+
+        chosen = weight_paths(paths, weights, src)
+        # with the average as the weights, the output holds no second copy of it
+        skipped = ("state_dict", *MODEL_LIKE_KEYS) if weights == "ema" else ("state_dict",)
+        for key in MODEL_LIKE_KEYS if weights == "ema" else ():
+            meta.pop(key, None)
+        entries: dict[TensorPath, Entry] = {path: entry(key) for key, path in paths.items() if path[0] not in skipped}
+        entries.update({("state_dict", name): entry(key) for name, key in chosen.items()})
         entries.update({("state_dict", key): entry for key, entry in base.items()})
         dst.parent.mkdir(parents=True, exist_ok=True)
         staging = commit_ops.temp_path(dst, commit_ops.STAGING, commit_ops.new_token())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,12 +19,14 @@ import torch
 from torch import nn
 
 from lightning_fsdp.checkpoint import commit as commit_ops
+from lightning_fsdp.checkpoint.checksums import kind_of
 from lightning_fsdp.checkpoint.compatibility import check_count, check_fits, describe
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.safe_load import safe_torch_load
 from lightning_fsdp.checkpoint.sharded import RESTORE_HINT, SAVE_HINT, agreed
 from lightning_fsdp.checkpoint.state import (
     META_KEY,
+    MODEL_LIKE_KEYS,
     assemble_full_checkpoint,
     is_id_keyed,
     optimizer_state_to_fqns,
@@ -64,8 +67,17 @@ def full_payload(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     return assemble_full_checkpoint(meta, {p: t.detach() for p, t in tensors.items()})
 
 
-def load(path: Path, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], strict: bool, checksums: bool = True) -> dict[str, Any]:
-    """Restore ``model`` (and ``optimizers``) from a full file (every rank); returns the rest of the checkpoint."""
+def load(
+    path: Path,
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    strict: bool,
+    checksums: bool = True,
+    model_entries: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Restore ``model`` (and ``optimizers``) from a full file (every rank); returns the rest of the checkpoint,
+    with the ``model_entries`` asked for (keyed like the model, e.g. an EMA's) scattered into shards like the
+    model's (rank 0 holds the file; no rank receives more than its shards)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -97,7 +109,18 @@ def load(path: Path, model: nn.Module, optimizers: Sequence[torch.optim.Optimize
             optim_states = [
                 optimizer_state_to_fqns(o, names) if is_id_keyed(o) else o for o, names in zip(optim_states, group_names)
             ]
-        holder.update(model=full_sd, optim=optim_states)
+        entries = {key: ckpt.pop(key) for key in MODEL_LIKE_KEYS if isinstance(ckpt.get(key), Mapping)}
+        for key, entry in entries.items():
+            if key not in model_entries:
+                continue
+            unknown = sorted(set(entry) - set(current))
+            if unknown:
+                raise CheckpointError(
+                    f"{path}: its {key!r} holds {unknown[:5]}, which the current model does not have. Load it into the"
+                    " model it was saved from."
+                )
+            check_fits(path, describe(dict(entry)), {k: current[k] for k in entry}, strict=True, what=key)
+        holder.update(model=full_sd, optim=optim_states, entries={k: v for k, v in entries.items() if k in model_entries})
         return ckpt
 
     rest = broadcast_object(agreed(on_rank_zero(read), f"Loading checkpoint {path}"))
@@ -116,9 +139,36 @@ def load(path: Path, model: nn.Module, optimizers: Sequence[torch.optim.Optimize
                 )
 
     agreed(apply, f"Restoring checkpoint {path}", hint=RESTORE_HINT)
+    names = broadcast_object({k: sorted(v) for k, v in holder.get("entries", {}).items()})
+    if names:
+        like = get_model_state_dict(model)
+        rest.update(agreed(lambda: scatter_entries(names, holder.get("entries", {}), like), f"Loading checkpoint {path}"))
     holder.clear()
     rest.pop(META_KEY, None)
     return rest
+
+
+def scatter_entries(
+    names: Mapping[str, Sequence[str]], entries: Mapping[str, Mapping[str, torch.Tensor]], like: Mapping[str, Any]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Rank 0's full tensors of each entry → every rank's shards, placed like the model's tensor of that name."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, keys in names.items():
+        out[key] = {}
+        for name in keys:
+            target = like[name]
+            local = target.to_local() if isinstance(target, DTensor) else target
+            source = entries[key][name] if rank() == 0 else torch.empty(target.shape, dtype=local.dtype)
+            source = source.to(device=local.device, dtype=local.dtype)
+            if isinstance(target, DTensor):
+                out[key][name] = distribute_tensor(source, target.device_mesh, target.placements, src_data_rank=0)
+            else:
+                if is_distributed():
+                    torch.distributed.broadcast(source, src=0)
+                out[key][name] = source
+    return out
 
 
 def param_group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -135,7 +185,14 @@ def param_group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
 
 
 def check_zip(path: Path, checksums: bool) -> None:
-    """A full checkpoint is a zip archive whose members carry CRC-32s: check them before anything is unpickled."""
+    """A full checkpoint is a zip archive whose members carry CRC-32s: check them before anything is unpickled.
+    Only a regular file is opened (a FIFO or device would block or never end)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        raise CheckpointError(f"{path} could not be read: {err}.") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path} is {kind_of(mode)}, not a checkpoint file; refusing to read it.")
     if not zipfile.is_zipfile(path):
         try:
             with open(path, "rb") as f:

@@ -8,12 +8,14 @@ state changed: shards are read into the current (possibly differently sharded) m
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_fsdp.checkpoint.base_weights import BaseResolver, pop_reference, require_resolver
 from lightning_fsdp.checkpoint.compatibility import check_count, check_fits, describe
@@ -37,6 +39,7 @@ from lightning_fsdp.checkpoint.safe_load import (
 from lightning_fsdp.checkpoint.sharded import RESTORE_HINT, agreed, read_into
 from lightning_fsdp.checkpoint.state import (
     META_KEY,
+    MODEL_LIKE_KEYS,
     SHARDED_KEYS,
     TensorPath,
     extract_tensors,
@@ -45,6 +48,7 @@ from lightning_fsdp.checkpoint.state import (
 )
 from lightning_fsdp.parallel.collectives import (
     all_gather_object,
+    any_rank,
     broadcast_object,
     on_rank_zero,
     rank,
@@ -65,15 +69,41 @@ def read_state_files(path: Path, manifest: Manifest) -> tuple[Any, dict[str, Any
     return metadata, meta, {k: tuple(v) for k, v in info["tensors"].items()}
 
 
-def verify(path: Path, checksums: bool) -> Manifest:
-    """Every rank: read the manifest (rank 0) and verify its share of the files; the same error on every rank."""
+#: read by every rank before anything else, so every rank checks them itself (they are small)
+STATE_FILES = (".metadata", META_NAME)
+
+
+def agreed_manifest(path: Path) -> Manifest:
+    """Rank 0 reads the manifest (the directory's entries checked first); every rank gets it, or the same error."""
     text = broadcast_object(agreed(on_rank_zero(lambda: read_manifest(path).to_json()), f"Loading checkpoint {path}"))
-    manifest = Manifest.from_json(text, path / MANIFEST_NAME)
-    mine = assign_files({n: e.size for n, e in manifest.files.items()}, world_size())[rank()]
-    problems = agreed(lambda: check_files(path, manifest, mine, checksums=checksums), f"Verifying {path}")
-    all_problems = [p for per_rank in all_gather_object(problems) for p in per_rank]
-    if all_problems:
-        raise_damaged(path, sorted(all_problems))
+    return Manifest.from_json(text, path / MANIFEST_NAME)
+
+
+def shard_share(manifest: Manifest) -> list[str]:
+    """The shard files this rank verifies (its own first; see ``assign_files``)."""
+    sizes = {n: e.size for n, e in manifest.files.items() if n not in STATE_FILES}
+    return assign_files(sizes, world_size())[rank()]
+
+
+def _checked(path: Path, manifest: Manifest, names: Sequence[str], checksums: bool) -> list[str]:
+    """``check_files`` of the listed ``names`` (an unlisted file is refused when it is about to be read)."""
+    try:
+        return check_files(path, manifest, [n for n in names if n in manifest.files], checksums=checksums)
+    except OSError as err:
+        return [f"a file could not be read ({type(err).__name__}: {err})"]
+
+
+def raise_if_damaged(path: Path, problems: list[str]) -> None:
+    """Every rank: if any rank found a problem, every rank raises the same error listing all of them."""
+    if any_rank(bool(problems)):
+        raise_damaged(path, sorted({p for per_rank in all_gather_object(problems) for p in per_rank}))
+
+
+def verify(path: Path, checksums: bool) -> Manifest:
+    """Every rank: the manifest, then every file verified (split over the ranks); the same error on every rank."""
+    manifest = agreed_manifest(path)
+    problems = _checked(path, manifest, STATE_FILES, checksums) if rank() == 0 else []
+    raise_if_damaged(path, problems + _checked(path, manifest, shard_share(manifest), checksums))
     return manifest
 
 
@@ -84,10 +114,17 @@ def load(
     strict: bool,
     checksums: bool = True,
     resolve_base: Optional[BaseResolver] = None,
+    model_entries: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Restore ``model`` and ``optimizers`` from the sharded checkpoint ``path`` (every rank). Returns the rest of
     the Lightning checkpoint. A checkpoint that refers to frozen base weights has them restored by
-    ``resolve_base`` (after every check, before its own tensors are read)."""
+    ``resolve_base`` (after every check, before its own tensors are read). ``model_entries``: the entries keyed
+    like the model (``MODEL_LIKE_KEYS``, e.g. an EMA's) that a callback will take, returned resharded like the
+    model; other such entries are not read (they would cost memory for nothing).
+
+    The shard files are verified in a background thread while the (already verified) state files are parsed and
+    the targets built, which changes nothing; only when every byte checked out is any state changed.
+    """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -96,20 +133,17 @@ def load(
         set_optimizer_state_dict,
     )
 
-    manifest = verify(path, checksums)
+    manifest = agreed_manifest(path)
     if manifest.world_size != world_size():
         rank_zero_info(
             f"Resharding checkpoint {path}: saved on {manifest.world_size} ranks (mesh {list(manifest.mesh)}),"
             f" loading on {world_size()}."
         )
-    metadata, meta, saved_paths = agreed(lambda: read_state_files(path, manifest), f"Loading checkpoint {path}")
-    reference = agreed(lambda: pop_reference(meta, path), f"Loading checkpoint {path}")
-    if reference is not None:
-        resolve_base = require_resolver(reference, resolve_base, path)
-    key_of = {p: k for k, p in saved_paths.items()}
-    has_optim = bool(optimizers) and meta.get("optimizer_states") is not None
 
-    def build_targets() -> tuple[dict[str, Any], list[dict[str, Any]], dict[TensorPath, torch.Tensor]]:
+    def prepare() -> tuple[Any, ...]:
+        metadata, meta, saved_paths = read_state_files(path, manifest)
+        reference = pop_reference(meta, path)
+        has_optim = bool(optimizers) and meta.get("optimizer_states") is not None
         model_sd = get_model_state_dict(model)
         optim_sds = [get_optimizer_state_dict(model, opt) for opt in optimizers] if has_optim else []
         targets: dict[TensorPath, torch.Tensor] = {
@@ -117,11 +151,28 @@ def load(
         }
         for i, osd in enumerate(optim_sds):
             targets.update(extract_tensors(osd["state"], ("optimizer_states", i, "state"))[1])
+        targets.update(model_like_targets(saved_paths, model_sd, model_entries))
         referenced = reference.keys if reference is not None else ()
         check_compatible(path, meta, optimizers, targets, saved_paths, metadata, strict, referenced)
-        return model_sd, optim_sds, targets
+        return meta, saved_paths, reference, model_sd, optim_sds, targets
 
-    model_sd, optim_sds, targets = agreed(build_targets, f"Loading checkpoint {path}")
+    with ThreadPoolExecutor(1, thread_name_prefix="lightning_fsdp-verify") as pool:
+        shards = pool.submit(_checked, path, manifest, shard_share(manifest), checksums)
+        problems = _checked(path, manifest, STATE_FILES, checksums)
+        prepared: Any = None
+        if not problems:
+            try:
+                prepared = prepare()
+            except (Exception, CheckpointException) as err:  # agreed below, after the damage check
+                prepared = err
+        problems += shards.result()
+    raise_if_damaged(path, problems)
+    meta, saved_paths, reference, model_sd, optim_sds, targets = agreed(
+        lambda: _result(prepared), f"Loading checkpoint {path}"
+    )
+    if reference is not None:
+        resolve_base = require_resolver(reference, resolve_base, path)
+    key_of = {p: k for k, p in saved_paths.items()}
     if reference is not None and resolve_base is not None:
         resolve_base(reference)  # the frozen base first: it is not in this checkpoint
         model_sd = {k: v for k, v in model_sd.items() if k not in set(reference.keys)}
@@ -143,7 +194,34 @@ def load(
     agreed(apply, f"Restoring checkpoint {path}", hint=RESTORE_HINT)
     for key in SHARDED_KEYS:
         meta.pop(key, None)
+    for key in MODEL_LIKE_KEYS:  # e.g. the EMA average: read resharded, handed to the callback that saved it
+        entry = {p[1]: t for p, t in targets.items() if p[0] == key}
+        if entry:
+            meta[key] = entry
     return meta
+
+
+def _result(value: Any) -> Any:
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+def model_like_targets(
+    saved_paths: Mapping[str, TensorPath], model_sd: Mapping[str, Any], wanted: Sequence[str]
+) -> dict[TensorPath, Any]:
+    """Fresh tensors, sharded like the model's, for the saved ``wanted`` entries keyed like the model."""
+    targets: dict[TensorPath, Any] = {}
+    for p in saved_paths.values():
+        if p[0] in MODEL_LIKE_KEYS and p[0] in wanted and len(p) == 2:
+            like = model_sd.get(p[1])
+            if not isinstance(like, torch.Tensor):
+                raise CheckpointError(
+                    f"The checkpoint's {p[0]!r} holds {p[1]!r}, which the current model does not have. Load it into"
+                    " the model it was saved from (or drop the entry in `on_load_checkpoint`)."
+                )
+            targets[p] = torch.empty_like(like)
+    return targets
 
 
 def check_compatible(
@@ -170,6 +248,11 @@ def check_compatible(
     model_current = describe({p[1]: t for p, t in targets.items() if p[0] == "state_dict"})
     model_saved.update({k: model_current[k] for k in referenced if k in model_current})
     check_fits(path, model_saved, model_current, strict=strict, what="model")
+    for key in MODEL_LIKE_KEYS:  # read into tensors shaped like the model's: their saved shapes must match
+        saved = {p[1]: v for p, v in saved_info.items() if p[0] == key and len(p) == 2}
+        current = describe({p[1]: t for p, t in targets.items() if p[0] == key})
+        if current:
+            check_fits(path, {k: v for k, v in saved.items() if k in current}, current, strict=True, what=key)
     saved_states = meta.get("optimizer_states")
     if not optimizers or saved_states is None:
         return

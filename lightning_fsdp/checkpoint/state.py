@@ -27,8 +27,13 @@ from lightning_fsdp.checkpoint.errors import CheckpointError
 PathItem = Union[str, int]
 TensorPath = tuple[PathItem, ...]
 
+#: checkpoint entries keyed like the model's ``state_dict`` and sharded like it (``lightning_fsdp.ShardedEMA``'s
+#: average): saved in shards, resharded on load into tensors shaped like the model's
+MODEL_LIKE_KEYS = ("ema_state_dict",)
 #: the checkpoint entries whose tensors go to the shard files
-SHARDED_KEYS = ("state_dict", "optimizer_states")
+SHARDED_KEYS = ("state_dict", "optimizer_states", *MODEL_LIKE_KEYS)
+#: written by ``lightning_fsdp.hf.info`` (what HF model the checkpoint holds); read here as plain data
+HF_ENTRY = "lightning_fsdp_hf"
 #: our own bookkeeping inside ``meta.pt``; removed before the dict reaches Lightning
 META_KEY = "lightning_fsdp"
 META_FORMAT_VERSION = 1
@@ -98,6 +103,30 @@ def insert_tensors(skeleton: Any, tensors: Mapping[TensorPath, torch.Tensor], pr
                 node.append(None)
             node[last] = tensor
     return skeleton
+
+
+#: which weights an export takes: the trained ones, or ``ShardedEMA``'s average
+WEIGHTS = ("model", "ema")
+
+
+def weight_paths(paths: Mapping[str, TensorPath], weights: str, where: Any) -> dict[str, str]:
+    """Model key → the storage key its exported tensor is read from (``paths``: storage key → tensor path).
+
+    ``weights="ema"`` takes the average where the checkpoint has one (trainable parameters and floating-point
+    buffers) and the trained value elsewhere (frozen parameters, which the average would equal, integer buffers).
+    """
+    if weights not in WEIGHTS:
+        raise ValueError(f"`weights` must be one of {WEIGHTS}, got {weights!r}.")
+    chosen = {str(p[1]): key for key, p in paths.items() if p[0] == "state_dict" and len(p) == 2}
+    if weights == "ema":
+        average = {str(p[1]): key for key, p in paths.items() if p[0] == MODEL_LIKE_KEYS[0] and len(p) == 2}
+        if not average:
+            raise CheckpointError(
+                f"{where} holds no weight average ({MODEL_LIKE_KEYS[0]!r}): it was saved without"
+                " `lightning_fsdp.ShardedEMA`. Export the trained weights (without --weights ema)."
+            )
+        chosen.update({k: v for k, v in average.items() if k in chosen})
+    return chosen
 
 
 def storage_key(path: TensorPath) -> str:

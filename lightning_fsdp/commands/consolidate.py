@@ -15,6 +15,8 @@ from typing import Optional
 
 from lightning_fsdp.checkpoint.consolidate import consolidate_checkpoint
 from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.checkpoint.state import WEIGHTS
+from lightning_fsdp.commands import fail
 
 FORMATS = ("ckpt", "safetensors", "hf", "peft")
 
@@ -32,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--base", metavar="DIR", help="a LoRA checkpoint's pretrained base directory, if it moved")
     parser.add_argument("--dtype", help="hf: store the weights in this dtype (e.g. bf16); default: as trained")
     parser.add_argument("--max-shard-size", default="5GB", help="hf: largest safetensors shard (default: 5GB)")
+    parser.add_argument("--weights", choices=WEIGHTS, default="model",
+                        help="model: the trained weights (default); ema: ShardedEMA's average")
     parser.add_argument("--no-progress", action="store_true", help="do not print progress to stderr")
     return parser
 
@@ -41,10 +45,10 @@ def consolidate(args: argparse.Namespace) -> Path:
         from lightning_fsdp.hf.export import export_hf, export_peft
 
         if args.format == "peft":
-            return export_peft(args.src, args.dst)
+            return export_peft(args.src, args.dst, weights=args.weights)
         return export_hf(
             args.src, args.dst, hf_config=args.hf_config, base=args.base, dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
+            max_shard_size=args.max_shard_size, weights=args.weights,
         )
     from lightning_fsdp.hf.export import base_entries
 
@@ -55,6 +59,7 @@ def consolidate(args: argparse.Namespace) -> Path:
         format=args.format,
         progress=not args.no_progress,
         base_tensors=lambda reference: base_entries(reference, Path(args.base or reference.path), src),
+        weights=args.weights,
     )
 
 
@@ -63,8 +68,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         dst = consolidate(args)
     except (CheckpointError, ValueError) as err:
-        print(f"lightning-fsdp consolidate: error: {err}", file=sys.stderr)
-        return 1
+        return fail("consolidate", err)
     if args.format in ("hf", "peft") and not args.no_progress:
         print(f"consolidate: wrote {dst}", file=sys.stderr)
     return 0

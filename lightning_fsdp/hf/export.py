@@ -32,6 +32,7 @@ from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.manifest import read_manifest, verify_files
 from lightning_fsdp.checkpoint.shard_reader import ShardReader
 from lightning_fsdp.checkpoint.sharded_load import read_state_files
+from lightning_fsdp.checkpoint.state import weight_paths
 from lightning_fsdp.formatting import parse_bytes, short_list
 from lightning_fsdp.hf.directory import INDEX_NAME, HFDirectory, identity_differences, side_files
 from lightning_fsdp.hf.info import HF_ENTRY
@@ -46,7 +47,12 @@ class CheckpointTensors:
     base weights it refers to come from their (verified) safetensors files."""
 
     def __init__(
-        self, src: Path, base_dir: Optional[Union[str, Path]] = None, verify: bool = True, with_base: bool = True
+        self,
+        src: Path,
+        base_dir: Optional[Union[str, Path]] = None,
+        verify: bool = True,
+        with_base: bool = True,
+        weights: str = "model",
     ) -> None:
         manifest = read_manifest(src)
         if verify:
@@ -58,11 +64,10 @@ class CheckpointTensors:
         self.reader = ShardReader(src, metadata)
         self.sources: dict[str, Source] = {}
         self.shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        for key, path in paths.items():
-            if path[0] == "state_dict" and len(path) == 2:
-                md = metadata.state_dict_metadata[key]
-                self.sources[str(path[1])] = lambda key=key: self.reader.read(key)
-                self.shapes[str(path[1])] = (md.properties.dtype, tuple(md.size))
+        for name, key in weight_paths(paths, weights, src).items():
+            md = metadata.state_dict_metadata[key]
+            self.sources[name] = lambda key=key: self.reader.read(key)
+            self.shapes[name] = (md.properties.dtype, tuple(md.size))
         reference = pop_reference(meta, src)
         self.base_root: Optional[Path] = None
         if reference is not None and with_base:
@@ -190,12 +195,14 @@ def export_hf(
     max_shard_size: str = "5GB",
     merge: bool = True,
     verify: bool = True,
+    weights: str = "model",
 ) -> Path:
-    """Write the HF model directory ``dst`` from the sharded checkpoint ``src`` (see the module docstring)."""
+    """Write the HF model directory ``dst`` from the sharded checkpoint ``src`` (see the module docstring);
+    ``weights="ema"``: ``ShardedEMA``'s average instead of the trained weights."""
     src, dst = Path(src), Path(dst)
     limit = parse_bytes(max_shard_size)
     out_dtype = parse_dtype(dtype, "--dtype") if dtype else None
-    tensors = CheckpointTensors(src, base, verify)
+    tensors = CheckpointTensors(src, base, verify, weights=weights)
     try:
         info = tensors.require_info(Path(hf_config) if hf_config else None)
         layout = KeyLayout(prefix=info["prefix"])
@@ -233,10 +240,10 @@ def export_hf(
     return dst
 
 
-def export_peft(src: Union[str, Path], dst: Union[str, Path], *, verify: bool = True) -> Path:
+def export_peft(src: Union[str, Path], dst: Union[str, Path], *, verify: bool = True, weights: str = "model") -> Path:
     """Write the checkpoint's PEFT adapter(s) with ``PeftModel.save_pretrained``; no base weights are read."""
     src, dst = Path(src), Path(dst)
-    tensors = CheckpointTensors(src, verify=verify, with_base=False)  # adapters only: no base weights are read
+    tensors = CheckpointTensors(src, verify=verify, with_base=False, weights=weights)  # adapters only: no base weights are read
     try:
         info = tensors.require_info(None)
         if not info.get("adapters"):

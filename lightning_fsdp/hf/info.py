@@ -14,8 +14,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-#: the top-level checkpoint entry holding the description (plain data)
-HF_ENTRY = "lightning_fsdp_hf"
+from lightning_fsdp.checkpoint.state import HF_ENTRY  # the top-level checkpoint entry holding the description
 
 
 def _plain(value: Any) -> Any:

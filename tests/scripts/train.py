@@ -151,19 +151,36 @@ class CountCompiles(Callback):
 def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """Gathered full parameters (a collective on sharded strategies)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
 
     model = trainer.strategy.model
-    if isinstance(trainer.strategy, lightning_fsdp.FSDPCustomStrategy):
+    if any(isinstance(p, DTensor) for p in model.parameters()):  # ours, or a module that sharded itself
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         sd = {k: v.detach().cpu() for k, v in trainer.lightning_module.state_dict().items()}
     return {k: v.float().clone() for k, v in sd.items()}
 
 
+def ema_callback(spec: dict, ours: bool) -> Callback | None:
+    """``spec["ema"]`` (constructor kwargs): ``ShardedEMA`` under ``fsdp_custom``, Lightning's own
+    ``EMAWeightAveraging`` for the single-process reference."""
+    if not spec.get("ema"):
+        return None
+    if ours:
+        return lightning_fsdp.ShardedEMA(**spec["ema"])
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    return EMAWeightAveraging(**spec["ema"])
+
+
 def main(spec: dict) -> None:
     L.seed_everything(spec.get("seed", 0), workers=True)
     torch.use_deterministic_algorithms(True, warn_only=True)
     strategy = spec.get("strategy", "fsdp_custom")
+    if strategy == "model_parallel":  # Lightning's own, the module shards itself (TinyLM(shard_myself=True))
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=spec.get("devices", 1), tensor_parallel_size=1)
     if spec.get("strategy_kwargs") or spec.get("precision_plugin"):
         plugin = lightning_fsdp.FSDP2Precision(spec["precision_plugin"]) if spec.get("precision_plugin") else None
         strategy = lightning_fsdp.FSDPCustomStrategy(precision_plugin=plugin, **spec.get("strategy_kwargs", {}))
@@ -179,8 +196,12 @@ def main(spec: dict) -> None:
     norm_counter = CountNormWork(at=spec["count_norm_work_at"]) if "count_norm_work_at" in spec else None
     if norm_counter is not None:
         callbacks.append(norm_counter)
+    ours = isinstance(strategy, lightning_fsdp.FSDPCustomStrategy) or str(strategy).startswith("fsdp_custom")
+    ema = ema_callback(spec, ours)
+    if ema is not None:
+        callbacks.append(ema)
     if spec.get("checkpoint_dir"):
-        callbacks.append(ModelCheckpoint(dirpath=spec["checkpoint_dir"], save_last=True, **spec.get("checkpoint_kwargs", {})))
+        callbacks.append(ModelCheckpoint(dirpath=spec["checkpoint_dir"], **{"save_last": True, **spec.get("checkpoint_kwargs", {})}))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=spec.get("devices", 1),
@@ -216,6 +237,10 @@ def main(spec: dict) -> None:
         result["norm_work_in_step"] = norm_counter.counts
     if compiles is not None:
         result["compiled_graphs"] = {"after_warmup": compiles.warm, "at_end": compiles.final}
+    if isinstance(ema, lightning_fsdp.ShardedEMA):
+        mine = torch.tensor([ema.average_bytes()])
+        result["ema_bytes"] = trainer.strategy.all_gather(mine).reshape(-1).tolist()
+        result["ema_devices"] = sorted({str(t.device) for t in ema.average_tensors()})
     if hasattr(trainer.strategy, "state_bytes"):
         sb = trainer.strategy.state_bytes().as_dict()
         gathered = trainer.strategy.all_gather(torch.tensor([sb["params"], sb["grads"], sb["optimizer"]]))
