@@ -18,6 +18,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "a sharded checkpoint → one .ckpt/.safetensors, a Hugging Face model directory or a PEFT adapter",
     ),
     "estimate": ("lightning_fsdp.planner.cli", "estimate per-rank memory of a model/strategy before running it"),
+    "verify": ("lightning_fsdp.commands.verify", "check a checkpoint is intact (exit 0) or say what is wrong (exit 1)"),
+    "inspect": ("lightning_fsdp.commands.inspect", "what a checkpoint holds: step, world size, mesh, sizes, versions"),
+    "seal": ("lightning_fsdp.commands.seal", "make a DCP checkpoint another tool wrote loadable: check, hash, manifest"),
 }
 
 

@@ -123,6 +123,14 @@ def test_lora_checkpoint_refers_to_the_base_and_resumes_exactly(lora):
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"][steps_per_epoch:]))
     for key, value in straight["params"].items():
         torch.testing.assert_close(resumed["params"][key], value, msg=lambda m: f"{key}: {m}")
+    # what `inspect` tells of it: the base it refers to, the HF model and adapter, the tensors not trained
+    from lightning_fsdp.checkpoint.summary import describe_checkpoint, format_description
+
+    info = describe_checkpoint(root / "lora_ckpt" / "last.ckpt")
+    assert info["referenced_base"]["path"] == str(base) and info["referenced_base"]["frozen_keys"] > 0
+    assert info["hf_model"]["adapters"] == ["default"] and info["hf_model"]["class"].endswith("LlamaForCausalLM")
+    assert info["not_optimized"] == [] and info["tensors"]["model"]["tensors"] < info["referenced_base"]["frozen_keys"]
+    assert "frozen base not stored" in format_description(info)
 
 
 def test_lora_exports_a_merged_hf_model_and_a_peft_adapter(lora, tmp_path):

@@ -53,6 +53,7 @@ class TinyLM(L.LightningModule):
         build_in_configure_model: bool = False,
         optimizer: str = "adamw",
         shard_first_layer_myself: bool = False,
+        shard_myself: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -83,6 +84,16 @@ class TinyLM(L.LightningModule):
 
             if not isinstance(self.net.layers[0], FSDPModule):
                 fully_shard(self.net.layers[0], mesh=self.device_mesh)
+        if self.hparams.shard_myself:  # every block, then the root: as a ModelParallelStrategy user does
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            mesh = self.device_mesh
+            if "data_parallel" in (mesh.mesh_dim_names or ()):  # ModelParallelStrategy's 2-D mesh
+                mesh = mesh["data_parallel"]
+            if not isinstance(self, FSDPModule):
+                for layer in self.net.layers:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(self, mesh=mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         net = self.net
