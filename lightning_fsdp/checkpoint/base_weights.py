@@ -2,7 +2,7 @@
 per save instead of 140 GB).
 
 A checkpoint saved while the frozen parameters came from ``pretrained_weights`` records a :class:`BaseReference`
-(the source's identity: path, index hash, every file's size and SHA-256; and which model keys it supplies) and stores
+(the source's identity: path, index hash, every file's size and CRC-32; and which model keys it supplies) and stores
 everything else. On load the strategy's resolver makes the model hold exactly those weights again, or raises a
 :class:`~lightning_fsdp.checkpoint.CheckpointError` when the source is missing or changed: a resumed run never
 silently mixes a new base with old adapters.
