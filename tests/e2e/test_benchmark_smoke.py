@@ -56,3 +56,19 @@ def test_quick_hf_load_benchmark_runs_every_peer(tmp_path):
     data = json.loads((tmp_path / "hf_load_quick.json").read_text())
     assert set(data["results"]["2"]) == {"sharded", "broadcast", "from_pretrained"}
     assert all(len(rows) == 2 and all(r["seconds"] > 0 for r in rows) for rows in data["results"]["2"].values())
+
+
+@pytest.mark.slow
+def test_quick_verify_cost_benchmark_times_every_phase(tmp_path):
+    proc = run_python([str(REPO / "benchmarks" / "verify_cost.py"), "--quick", "--out", str(tmp_path)], timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    data = json.loads((tmp_path / "verify_cost_quick.json").read_text())
+    ranks = data["results"]["2"]["ranks"]
+    assert len(ranks) == 2
+    for rank in ranks:
+        verified, unverified = rank["loads"]["verified"], rank["loads"]["unverified"]
+        assert len(verified) == len(unverified) == 2
+        assert all(x["_checked"] > 0 and x["read_into"] > 0 for x in verified)  # the checksum pass ran
+        assert all(x["read_into"] > 0 for x in unverified)
+    assert data["results"]["2"]["one_core"]["crc32_in_memory_gbps"] > 0
+    assert "checksum pass" in (tmp_path / "verify_cost_quick.md").read_text()
