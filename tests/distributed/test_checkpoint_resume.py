@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lightning_fsdp.checkpoint import verify_checkpoint
+from lightning_fsdp.checkpoint.safe_load import read_metadata
 from tests.helpers.launch import REPO, child_env
 from tests.helpers.models import TinyLM
 from tests.scripts.ckpt_jobs import job
@@ -93,6 +94,19 @@ def test_resume_at_another_world_size(tmp_path, reference, saved_on_4, world, so
     second = job(spec, tmp_path, f"resume{world}")
     assert second["world_size"] == world and second["global_step"] == 2 * STEPS_PER_EPOCH
     assert_continues(saved_on_4["losses"], second, reference)
+
+
+@pytest.mark.slow
+def test_compiled_units_resume_from_an_eager_checkpoint_and_save_the_same_names(tmp_path, reference, saved_on_4):
+    """compile=True changes no parameter name: a 4-rank eager checkpoint resumes into compiled units on 2 ranks and
+    continues exactly (CPU inductor reproduces eager fp32), and what the compiled run saves has the eager keys."""
+    spec = {"devices": 2, "max_epochs": 2, "ckpt_path": str(saved_on_4["sharded"]),
+            "strategy_kwargs": {"compile": True}, "save_path": str(tmp_path / "compiled.ckpt")}
+    second = job(spec, tmp_path, "compiled")
+    assert second["global_step"] == 2 * STEPS_PER_EPOCH
+    assert_continues(saved_on_4["losses"], second, reference)
+    keys = set(read_metadata(tmp_path / "compiled.ckpt").state_dict_metadata)
+    assert keys == set(read_metadata(saved_on_4["sharded"]).state_dict_metadata)
 
 
 def test_consolidated_checkpoint_loads_in_a_plain_process(tmp_path, saved_on_4):
