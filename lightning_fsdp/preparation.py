@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 from torch import nn
 
-from lightning_fsdp.hf.base import LoadedBase
+from lightning_fsdp.checkpoint.base_weights import BaseReference
+from lightning_fsdp.hf.base import loaded_base
 from lightning_fsdp.hf.init_rules import LIBRARY_RULES
 from lightning_fsdp.sharding import DEFAULT_RULES, ShardingPlan, materialize_meta_module, parallelize
 
@@ -43,7 +44,7 @@ class Prepared:
     """What :func:`prepare_model` did: the FSDP units, and the pretrained base it loaded from safetensors."""
 
     units: list[str] = field(default_factory=list)
-    base: Optional[LoadedBase] = None
+    base: Optional[BaseReference] = None
 
 
 def prepare_model(model: nn.Module, mesh: DeviceMesh, preparation: Preparation) -> Prepared:
@@ -65,7 +66,7 @@ def prepare_model(model: nn.Module, mesh: DeviceMesh, preparation: Preparation) 
     base = None
     if sharded_source:
         plan = load_safetensors(model, source, strict=preparation.strict, key_map=preparation.key_map)
-        base = LoadedBase.from_plan(plan, preparation.key_map)
+        base = loaded_base(plan, preparation.key_map)
     elif source is not None:
         from lightning_fsdp.checkpoint import load_pretrained
 

@@ -27,8 +27,9 @@ from typing_extensions import override
 
 from lightning_fsdp import _torch_compat as compat
 from lightning_fsdp.averaging import refuse_unsharded_averaging
+from lightning_fsdp.checkpoint.base_weights import BaseReference
 from lightning_fsdp.checkpoint.checkpointer import check_state_dict_type
-from lightning_fsdp.hf import LoadedBase, resolve_base
+from lightning_fsdp.hf import resolve_base
 from lightning_fsdp.hf.info import annotate_checkpoint
 from lightning_fsdp.memory import StateBytes, local_state_bytes
 from lightning_fsdp.mesh_strategy import MeshStrategy
@@ -136,7 +137,7 @@ class FSDPCustomStrategy(MeshStrategy):
         self.async_save = bool(async_save)
         self.pretrained_weights = pretrained_weights
         self.pretrained_key_map = dict(pretrained_key_map) if pretrained_key_map else None
-        self.pretrained_base: Optional[LoadedBase] = None  # the safetensors base loaded at setup
+        self.pretrained_base: Optional[BaseReference] = None  # the safetensors base loaded at setup
         self.skip_nonfinite_steps = bool(skip_nonfinite_steps)
         self.max_nonfinite_steps = int(max_nonfinite_steps)
         self.wrapped_units: list[str] = []

@@ -10,7 +10,7 @@ silently mixes a new base with old adapters.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -23,7 +23,10 @@ PRETRAINED_ENTRY = "lightning_fsdp_pretrained"
 
 @dataclass(frozen=True)
 class BaseReference:
-    """Where the frozen base comes from (``identity``), which model keys it supplies, how keys map to its files."""
+    """Where the frozen base comes from (``identity``), which model keys it supplies, how keys map to its files.
+
+    The strategy keeps one for the base it loaded from ``pretrained_weights``; a checkpoint records the part of it
+    whose parameters stayed frozen (:meth:`only`)."""
 
     identity: dict[str, Any]
     keys: tuple[str, ...]
@@ -32,6 +35,12 @@ class BaseReference:
     @property
     def path(self) -> str:
         return str(self.identity.get("path", ""))
+
+    def only(self, keys: Collection[str]) -> Optional[BaseReference]:
+        """The same base supplying just those of its keys in ``keys`` (``None``: none of them)."""
+        wanted = set(keys)
+        kept = tuple(k for k in self.keys if k in wanted)
+        return BaseReference(self.identity, kept, self.key_map) if kept else None
 
     def to_dict(self) -> dict[str, Any]:
         return {"identity": self.identity, "keys": list(self.keys), "key_map": dict(self.key_map)}

@@ -14,7 +14,7 @@ transformers and PEFT are optional (``pip install lightning-fsdp[hf]``): nothing
 uses them or an export needs them.
 """
 
-from lightning_fsdp.hf.base import LoadedBase, resolve_base
+from lightning_fsdp.hf.base import loaded_base, resolve_base
 from lightning_fsdp.hf.directory import HFDirectory
 from lightning_fsdp.hf.keys import KeyLayout, detect_layout
 from lightning_fsdp.hf.load import is_safetensors_source, load_safetensors
@@ -22,9 +22,9 @@ from lightning_fsdp.hf.load import is_safetensors_source, load_safetensors
 __all__ = [
     "HFDirectory",
     "KeyLayout",
-    "LoadedBase",
     "detect_layout",
     "is_safetensors_source",
     "load_safetensors",
+    "loaded_base",
     "resolve_base",
 ]

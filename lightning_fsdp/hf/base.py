@@ -1,16 +1,15 @@
 """The pretrained base a run loaded, and what its checkpoints record about it.
 
-:class:`LoadedBase` is kept by the strategy after loading ``pretrained_weights`` from safetensors. Its sharded
-checkpoints then leave out the parameters that came from the base and stayed frozen (a LoRA fine-tune), and record
-a :class:`~lightning_fsdp.checkpoint.base_weights.BaseReference` instead; :func:`resolve_base` makes a model hold
-those weights again on resume, refusing a base that is missing or changed. A full fine-tune trains every parameter,
-so nothing is left out and its checkpoints stand alone.
+:func:`loaded_base` describes the base the strategy loaded from ``pretrained_weights`` (a
+:class:`~lightning_fsdp.checkpoint.base_weights.BaseReference`). Its sharded checkpoints then leave out the
+parameters that came from the base and stayed frozen (a LoRA fine-tune), and record that part of the reference
+instead; :func:`resolve_base` makes a model hold those weights again on resume, refusing a base that is missing or
+changed. A full fine-tune trains every parameter, so nothing is left out and its checkpoints stand alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from torch import nn
@@ -23,31 +22,18 @@ from lightning_fsdp.hf.directory import HFDirectory, hash_directory, identity_di
 from lightning_fsdp.hf.load import LoadPlan, load_safetensors
 
 
-@dataclass(frozen=True)
-class LoadedBase:
-    """Pretrained weights loaded into the model: their identity and the model keys they supplied."""
-
-    identity: dict[str, Any]
-    keys: tuple[str, ...]
-    key_map: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def from_plan(cls, plan: LoadPlan, key_map: Optional[Mapping[str, str]]) -> LoadedBase:
-        """Every rank (the files are hashed split over the ranks)."""
-        identity = hash_directory(plan.directory, agreed)
-        return cls(identity, tuple(sorted(plan.file_key_of)), dict(key_map or {}))
-
-    def reference(self, frozen: Collection[str]) -> Optional[BaseReference]:
-        """The reference a checkpoint stores instead of the base keys that are still frozen (``None``: none are)."""
-        keys = tuple(k for k in self.keys if k in set(frozen))
-        return BaseReference(self.identity, keys, self.key_map) if keys else None
+def loaded_base(plan: LoadPlan, key_map: Optional[Mapping[str, str]]) -> BaseReference:
+    """The base a run loaded from a safetensors directory: its identity and every model key it supplied (every
+    rank; the files are hashed split over the ranks)."""
+    identity = hash_directory(plan.directory, agreed)
+    return BaseReference(identity, tuple(sorted(plan.file_key_of)), dict(key_map or {}))
 
 
-def leave_out_base(checkpoint: dict[str, Any], model: nn.Module, base: LoadedBase) -> None:
+def leave_out_base(checkpoint: dict[str, Any], model: nn.Module, base: BaseReference) -> None:
     """Before a sharded save: drop the frozen base parameters from ``checkpoint["state_dict"]`` and record where
     they come from."""
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    reference = base.reference(frozen)
+    reference = base.only(frozen)
     if reference is None:
         return
     state = checkpoint.get("state_dict", {})
@@ -55,7 +41,7 @@ def leave_out_base(checkpoint: dict[str, Any], model: nn.Module, base: LoadedBas
     checkpoint[PRETRAINED_ENTRY] = reference.to_dict()
 
 
-def resolve_base(model: nn.Module, reference: BaseReference, loaded: Optional[LoadedBase]) -> None:
+def resolve_base(model: nn.Module, reference: BaseReference, loaded: Optional[BaseReference]) -> None:
     """Make ``model`` hold the base weights ``reference`` names (every rank). Nothing to do when this run loaded the
     same files; otherwise they are read again from the recorded path, after checking they did not change."""
     if loaded is not None and not identity_differences(reference.identity, loaded.identity):

@@ -50,7 +50,7 @@ def describe_hf_model(module: nn.Module) -> Optional[dict[str, Any]]:
 
 def annotate_checkpoint(checkpoint: dict[str, Any], module: Optional[nn.Module], base: Any, sharded: bool) -> None:
     """Before a save: describe the HF model (for export), and for a sharded save leave out the frozen base weights
-    ``base`` (a :class:`~lightning_fsdp.hf.base.LoadedBase`) supplied, recording where they come from."""
+    ``base`` (a :class:`~lightning_fsdp.checkpoint.base_weights.BaseReference`) supplied, recording where they come from."""
     if module is None:
         return
     description = describe_hf_model(module)
