@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.run import torchrun_json  # noqa: E402 - after the repository is on the path
 
 LLAMA_250MB = dict(
     vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12,
@@ -120,18 +120,8 @@ def prepare(model_dir: Path, config: dict) -> dict:
 
 def run_peer(peer: str, world: int, model_dir: Path, tmp: Path) -> list[dict]:
     out = tmp / f"{peer}_{world}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    import socket
-
-    with socket.socket() as sock:  # a free rendezvous port (torchrun's static rendezvous cannot pick one itself)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={port}",
-           __file__, "--worker", peer, str(model_dir), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{peer} at {world} ranks failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    env = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    return torchrun_json(__file__, world, [peer, str(model_dir), str(out)], out, env, peer)
 
 
 def report(meta: dict, results: dict) -> str:

@@ -151,10 +151,21 @@ def compile_mode(gpu: bool) -> Mode:
 
 
 # -- running configurations -------------------------------------------------------------------------------------------
-def _free_port() -> int:
+def free_port() -> int:
+    """A free rendezvous port (torchrun's static rendezvous cannot pick one itself)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun_json(script: str, world: int, args: list[str], out: Path, env: dict[str, str], what: str) -> Any:
+    """Run ``script --worker ARGS`` on ``world`` local ranks with ``torchrun``; returns the JSON it wrote to ``out``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={free_port()}",
+           script, "--worker", *args]
+    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} at {world} ranks failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -162,7 +173,7 @@ def _env(threads: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update({
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         "PYTHONPATH": f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}",

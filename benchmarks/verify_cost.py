@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.run import torchrun_json  # noqa: E402 - after the repository is on the path
 
 PHASES = ("_checked", "read_into")
 
@@ -136,16 +135,8 @@ def one_core(path: Path) -> dict[str, float]:
 
 def run(width: int, layers: int, world: int, rounds: int, tmp: Path) -> dict:
     out = tmp / "result.json"
-    with socket.socket() as sock:  # a free rendezvous port
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={port}",
-           __file__, "--worker", str(width), str(layers), str(rounds), str(tmp), str(out)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the {world}-rank run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    args = [str(width), str(layers), str(rounds), str(tmp), str(out)]
+    return torchrun_json(__file__, world, args, out, {"OMP_NUM_THREADS": "1"}, "the load timing")
 
 
 def summarise(data: dict) -> dict[str, dict[str, float]]:

@@ -27,18 +27,14 @@ from typing_extensions import override
 
 from lightning_fsdp._torch_compat import foreach_copy_, foreach_lerp_
 from lightning_fsdp.checkpoint.state import MODEL_LIKE_KEYS
+from lightning_fsdp.memory import tensor_bytes
+from lightning_fsdp.parallel.mesh import local_shard
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 #: the checkpoint entry holding the average (model keys → tensors, sharded like the model)
 EMA_ENTRY = MODEL_LIKE_KEYS[0]
-
-
-def _local(tensor: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def refuse_unsharded_averaging(callbacks: Iterable[Any]) -> None:
@@ -113,7 +109,7 @@ class ShardedEMA(EMAWeightAveraging):
                 by_tensor.setdefault(id(tensor), []).append(name)
         self._names = [name for name, _ in tracked]
         self._aliases = {name: by_tensor.get(id(t), []) for name, t in tracked}
-        self._average = [_local(t).detach().to(self._device or t.device, copy=True) for _, t in tracked]
+        self._average = [local_shard(t).detach().to(self._device or t.device, copy=True) for _, t in tracked]
 
     def average_tensors(self) -> list[Tensor]:
         """This rank's part of the average (its local shards), in tracking order."""
@@ -121,11 +117,11 @@ class ShardedEMA(EMAWeightAveraging):
 
     def average_bytes(self) -> int:
         """Bytes this rank holds for the average (its local shards)."""
-        return sum(t.numel() * t.element_size() for t in self._average)
+        return sum(tensor_bytes(t) for t in self._average)
 
     def _update(self, pl_module: pl.LightningModule) -> None:
         self._ensure(pl_module)
-        current = [_local(t).detach() for _, t in self._tracked(pl_module)]
+        current = [local_shard(t).detach() for _, t in self._tracked(pl_module)]
         with torch.no_grad():
             if self.n_averaged == 0:
                 foreach_copy_(self._average, [c.to(a.device) for a, c in zip(self._average, current)])
@@ -143,7 +139,7 @@ class ShardedEMA(EMAWeightAveraging):
         """Exchange the weights and the average (both local shards)."""
         with torch.no_grad():
             for avg, (_, t) in zip(self._average, self._tracked(pl_module)):
-                local = _local(t)
+                local = local_shard(t)
                 held = local.detach().clone()
                 local.copy_(avg.to(local.device))
                 avg.copy_(held.to(avg.device))
@@ -173,7 +169,7 @@ class ShardedEMA(EMAWeightAveraging):
         """After fit the model holds the average (as with Lightning's callback)."""
         with torch.no_grad():
             for avg, (_, t) in zip(self._average, self._tracked(pl_module)):
-                _local(t).copy_(avg.to(_local(t).device))
+                local_shard(t).copy_(avg.to(local_shard(t).device))
 
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -185,15 +181,19 @@ class ShardedEMA(EMAWeightAveraging):
         if self._average:
             self._swap(pl_module)
 
+    @override
     def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.on_validation_epoch_start(trainer, pl_module)
 
+    @override
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.on_validation_epoch_end(trainer, pl_module)
 
+    @override
     def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.on_validation_epoch_start(trainer, pl_module)
 
+    @override
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.on_validation_epoch_end(trainer, pl_module)
 
@@ -221,7 +221,7 @@ class ShardedEMA(EMAWeightAveraging):
         keep = trainer.global_rank == 0 or not full
         entry: dict[str, Tensor] = {}
         for name, avg, (_, t) in zip(self._names, self._average, self._tracked(pl_module)):
-            value = avg.to(_local(t).device)
+            value = avg.to(local_shard(t).device)
             if isinstance(t, DTensor):
                 value = DTensor.from_local(value, t.device_mesh, t.placements, run_check=False, shape=t.shape,
                                            stride=t.stride())

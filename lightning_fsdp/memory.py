@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_fsdp._torch_compat import unwrap_optimizer
 from lightning_fsdp.formatting import format_bytes
+from lightning_fsdp.parallel.mesh import local_shard
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -40,15 +41,9 @@ class StateBytes:
         return {**asdict(self), "total": self.total}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes this rank stores for ``t`` (the local shard of a DTensor)."""
-    local = _local(t)
+    local = local_shard(t)
     return local.numel() * local.element_size()
 
 

@@ -92,6 +92,18 @@ def check_fits(
     return Fit(missing, unexpected, dtypes)
 
 
+def check_entry_fits(where: Union[Path, str], saved: Described, model: Described, *, what: str) -> None:
+    """An entry keyed like the model (``ShardedEMA``'s average): every key it holds must be a model key with the
+    same dtype and shape; model keys it lacks are fine (the average covers only the trainable tensors)."""
+    unknown = sorted(set(saved) - set(model))
+    if unknown:
+        raise CheckpointError(
+            f"{where}: its {what!r} holds {short_list(unknown)}, which the current model does not have. Load it into"
+            " the model it was saved from (or drop the entry in `on_load_checkpoint`)."
+        )
+    check_fits(where, saved, {k: model[k] for k in saved}, strict=True, what=what)
+
+
 def check_count(where: Path, saved: Sequence[object], current: Sequence[object]) -> None:
     """The checkpoint holds state for as many optimizers as the model configures."""
     if len(saved) != len(current):

@@ -26,7 +26,13 @@ from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.manifest import read_manifest, verify_files
 from lightning_fsdp.checkpoint.shard_reader import ShardReader
 from lightning_fsdp.checkpoint.sharded_load import read_state_files
-from lightning_fsdp.checkpoint.state import MODEL_LIKE_KEYS, TensorPath, assemble_full_checkpoint, weight_paths
+from lightning_fsdp.checkpoint.state import (
+    MODEL_LIKE_KEYS,
+    TensorPath,
+    assemble_full_checkpoint,
+    stamp_lightning_version,
+    weight_paths,
+)
 
 Format = Literal["ckpt", "safetensors"]
 
@@ -146,7 +152,7 @@ def consolidate_checkpoint(
                     bar.update(tensors[path].numel() * tensors[path].element_size())
                 meta = assemble_full_checkpoint(meta, tensors)
                 tensors.clear()
-                meta.setdefault("pytorch-lightning_version", _lightning_version())
+                stamp_lightning_version(meta)
                 with open(staging, "wb") as f:
                     torch.save(meta, f)
                     f.flush()
@@ -190,9 +196,3 @@ def _write_safetensors(path: Path, entries: dict[str, Entry], bar: _Progress, me
             del tensor
         f.flush()
         os.fsync(f.fileno())
-
-
-def _lightning_version() -> str:
-    import lightning
-
-    return lightning.__version__

@@ -17,12 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_fsdp.checkpoint.checksums import (  # noqa: F401 - the checksum API, also reached through here
+from lightning_fsdp.checkpoint.checksums import (
     ALGORITHMS,
     HASH_ALGORITHM,
     FileEntry,
-    FileRecords,
-    HashingWriter,
     NotARegularFile,
     hash_file,
     kind_of,
@@ -98,7 +96,7 @@ class Manifest:
                 raise ValueError(f"unknown hash_algorithm {algorithm!r}")
             files = {}
             for name, entry in data["files"].items():
-                if not _is_safe_name(name):
+                if not is_safe_name(name):
                     raise ValueError(f"file name {name!r} is not a plain file name")
                 files[name] = FileEntry(int(entry["size"]), str(entry["checksum"]))
             return cls(
@@ -118,7 +116,7 @@ class Manifest:
             raise CheckpointError(f"{where} is not a valid checkpoint manifest: {err}.") from None
 
 
-def _is_safe_name(name: str) -> bool:
+def is_safe_name(name: str) -> bool:
     """Manifest entries are plain names inside the checkpoint directory (no paths that escape it)."""
     return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\x00" not in name
 
@@ -162,8 +160,24 @@ def build_manifest(
     )
 
 
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Write ``manifest.json`` into ``directory`` durably: a temporary file, fsynced, renamed into place."""
+    tmp = Path(directory) / (MANIFEST_NAME + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, Path(directory) / MANIFEST_NAME)
+
+
 # -- verification -------------------------------------------------------------------------------------------------------
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def shard_rank(name: str) -> Optional[int]:
+    """The rank that wrote the DCP shard file ``name`` (``__<rank>_<n>.distcp``); ``None`` for other files."""
+    match = _RANK_FILE.match(name)
+    return int(match.group(1)) if match else None
 
 
 def assign_files(sizes: Mapping[str, int], world_size: int) -> list[list[str]]:
@@ -179,9 +193,8 @@ def assign_files(sizes: Mapping[str, int], world_size: int) -> list[list[str]]:
     out: list[list[str]] = [[] for _ in range(world_size)]
     rest = []
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        owner = _RANK_FILE.match(name)
-        if owner is not None and int(owner.group(1)) < world_size:
-            rank = int(owner.group(1))
+        rank = shard_rank(name)
+        if rank is not None and rank < world_size:
             out[rank].append(name)
             loads[rank] += max(sizes[name], 1)
         else:

@@ -27,7 +27,15 @@ import torch
 
 from lightning_fsdp.checkpoint.checksums import FileEntry, hash_file
 from lightning_fsdp.checkpoint.errors import CheckpointError
-from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME, META_NAME, build_manifest, check_entries
+from lightning_fsdp.checkpoint.manifest import (
+    MANIFEST_NAME,
+    META_NAME,
+    build_manifest,
+    check_entries,
+    is_safe_name,
+    shard_rank,
+    write_manifest,
+)
 from lightning_fsdp.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata, safe_torch_load
 from lightning_fsdp.checkpoint.state import (
     META_FORMAT_VERSION,
@@ -35,6 +43,7 @@ from lightning_fsdp.checkpoint.state import (
     TensorPath,
     insert_tensors,
     plain_checkpoint_meta,
+    stamp_lightning_version,
 )
 
 log = logging.getLogger(__name__)
@@ -58,7 +67,7 @@ def _check_storage(path: Path, metadata: Any) -> list[str]:
     files: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or "/" in name or name.startswith(".."):
+        if not isinstance(name, str) or not is_safe_name(name):
             raise CheckpointError(f"{path}: .metadata names a file outside the checkpoint: {name!r}.")
         files[name] = max(files.get(name, 0), int(info.offset) + int(info.length))
     problems = []
@@ -121,7 +130,7 @@ def seal(path: Union[str, Path]) -> dict[str, Any]:
     if optimizers:
         meta["optimizer_states"] = optimizers
     resume_mid_epoch(meta)
-    meta.setdefault("pytorch-lightning_version", _lightning_version())
+    stamp_lightning_version(meta)
     meta = plain_checkpoint_meta(meta)
     meta[META_KEY] = {"format_version": META_FORMAT_VERSION, "tensors": tensor_paths, "sealed": True}
     if (path / META_NAME).exists():
@@ -130,16 +139,14 @@ def seal(path: Union[str, Path]) -> dict[str, Any]:
     torch.save(meta, tmp)
     os.replace(tmp, path / META_NAME)
     files: dict[str, FileEntry] = {p.name: hash_file(p) for p in sorted(path.iterdir()) if p.name != MANIFEST_NAME}
-    ranks = {int(m.group(1)) for n in files if (m := re.match(r"^__(\d+)_\d+\.distcp$", n))}
+    ranks = {r for n in files if (r := shard_rank(n)) is not None}
     world = max(ranks) + 1 if ranks else 1
     manifest = build_manifest(
         files, world_size=world, mesh=(world,), state_dict_type="sharded", target=path.name, save_id="sealed",
         extra={"sealed_at": time.time(), "sealed_from": "lightning" if lightning_meta else "dcp",
                **{k: lightning_meta[k] for k in ("epoch", "global_step") if type(lightning_meta.get(k)) is int}},
     )
-    tmp = path / (MANIFEST_NAME + ".tmp")
-    tmp.write_text(manifest.to_json())
-    os.replace(tmp, path / MANIFEST_NAME)
+    write_manifest(path, manifest)
     summary = {"path": str(path), "tensors": len(tensor_paths), "files": len(files), "world_size": world,
                "optimizers": len(optimizers), "lightning_state": bool(lightning_meta)}
     log.warning("sealed %s as a lightning_fsdp checkpoint: %s", path, summary)
@@ -158,9 +165,3 @@ def resume_mid_epoch(meta: dict[str, Any]) -> None:
     state = fit_loop.setdefault("state_dict", {})
     if done > 0 and not progress.get("is_last_batch") and isinstance(state, dict) and "combined_loader" not in state:
         state["combined_loader"] = [{"batches_done": done}]
-
-
-def _lightning_version() -> str:
-    import lightning
-
-    return lightning.__version__

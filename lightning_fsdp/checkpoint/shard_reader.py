@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.checkpoint.manifest import is_safe_name
 from lightning_fsdp.checkpoint.safe_load import read_metadata, safe_torch_load
 
 
@@ -59,7 +60,7 @@ class ShardReader:
     def _slice(self, name: str, offset: int, length: int) -> bytes:
         f = self._files.get(name)
         if f is None:
-            if "/" in name or name.startswith(".."):
+            if not is_safe_name(name):
                 raise CheckpointError(f"{self.root}: .metadata names a file outside the checkpoint: {name!r}.")
             f = self._files[name] = open(self.root / name, "rb")
         f.seek(offset)

@@ -17,7 +17,6 @@ Every step that can fail on one rank ends in an agreement, so all ranks raise th
 from __future__ import annotations
 
 import io
-import os
 import warnings
 from collections.abc import Generator, Mapping
 from concurrent.futures import Future
@@ -32,15 +31,9 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lightning_fsdp._torch_compat import use_file_system
 from lightning_fsdp.checkpoint import commit as commit_ops
+from lightning_fsdp.checkpoint.checksums import FileEntry, FileRecords, HashingWriter
 from lightning_fsdp.checkpoint.errors import CheckpointError
-from lightning_fsdp.checkpoint.manifest import (
-    MANIFEST_NAME,
-    META_NAME,
-    FileEntry,
-    FileRecords,
-    HashingWriter,
-    build_manifest,
-)
+from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME, META_NAME, build_manifest, write_manifest
 from lightning_fsdp.checkpoint.safe_load import (
     load_metadata_bytes,
     safe_torch_load,
@@ -225,12 +218,7 @@ def commit(save: StagedSave, state_dict_type: str = "sharded") -> None:
             save_id=save.token,
             extra=save.extra,
         )
-        tmp = save.staging / (MANIFEST_NAME + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(manifest.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, save.staging / MANIFEST_NAME)
+        write_manifest(save.staging, manifest)
         commit_ops.fsync_path(save.staging)
         commit_ops.commit(save.staging, save.target)
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_fsdp.checkpoint.base_weights import BaseResolver, pop_reference, require_resolver
-from lightning_fsdp.checkpoint.compatibility import check_count, check_fits, describe
+from lightning_fsdp.checkpoint.compatibility import check_count, check_entry_fits, check_fits, describe
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -153,7 +153,7 @@ def load(
             targets.update(extract_tensors(osd["state"], ("optimizer_states", i, "state"))[1])
         targets.update(model_like_targets(saved_paths, model_sd, model_entries))
         referenced = reference.keys if reference is not None else ()
-        check_compatible(path, meta, optimizers, targets, saved_paths, metadata, strict, referenced)
+        check_compatible(path, meta, optimizers, targets, saved_paths, metadata, strict, referenced, model_entries)
         return meta, saved_paths, reference, model_sd, optim_sds, targets
 
     with ThreadPoolExecutor(1, thread_name_prefix="lightning_fsdp-verify") as pool:
@@ -210,18 +210,13 @@ def _result(value: Any) -> Any:
 def model_like_targets(
     saved_paths: Mapping[str, TensorPath], model_sd: Mapping[str, Any], wanted: Sequence[str]
 ) -> dict[TensorPath, Any]:
-    """Fresh tensors, sharded like the model's, for the saved ``wanted`` entries keyed like the model."""
-    targets: dict[TensorPath, Any] = {}
-    for p in saved_paths.values():
-        if p[0] in MODEL_LIKE_KEYS and p[0] in wanted and len(p) == 2:
-            like = model_sd.get(p[1])
-            if not isinstance(like, torch.Tensor):
-                raise CheckpointError(
-                    f"The checkpoint's {p[0]!r} holds {p[1]!r}, which the current model does not have. Load it into"
-                    " the model it was saved from (or drop the entry in `on_load_checkpoint`)."
-                )
-            targets[p] = torch.empty_like(like)
-    return targets
+    """Fresh tensors, sharded like the model's, for the saved ``wanted`` entries keyed like the model (keys the
+    model lacks get none: :func:`check_compatible` names them)."""
+    return {
+        p: torch.empty_like(model_sd[p[1]])
+        for p in saved_paths.values()
+        if p[0] in MODEL_LIKE_KEYS and p[0] in wanted and len(p) == 2 and isinstance(model_sd.get(p[1]), torch.Tensor)
+    }
 
 
 def check_compatible(
@@ -233,9 +228,10 @@ def check_compatible(
     metadata: Any,
     strict: bool,
     referenced: Sequence[str] = (),
+    model_entries: Sequence[str] = (),
 ) -> None:
     """Keys, dtypes and shapes of the sharded checkpoint against the current model and optimizers; ``referenced``
-    model keys come from the checkpoint's base weights instead."""
+    model keys come from the checkpoint's base weights instead; the ``model_entries`` read must fit the model."""
     saved_info: dict[TensorPath, tuple[torch.dtype, tuple[int, ...]]] = {}
     for key, p in saved_paths.items():
         md = metadata.state_dict_metadata.get(key)
@@ -248,11 +244,9 @@ def check_compatible(
     model_current = describe({p[1]: t for p, t in targets.items() if p[0] == "state_dict"})
     model_saved.update({k: model_current[k] for k in referenced if k in model_current})
     check_fits(path, model_saved, model_current, strict=strict, what="model")
-    for key in MODEL_LIKE_KEYS:  # read into tensors shaped like the model's: their saved shapes must match
+    for key in model_entries:  # read into tensors shaped like the model's
         saved = {p[1]: v for p, v in saved_info.items() if p[0] == key and len(p) == 2}
-        current = describe({p[1]: t for p, t in targets.items() if p[0] == key})
-        if current:
-            check_fits(path, {k: v for k, v in saved.items() if k in current}, current, strict=True, what=key)
+        check_entry_fits(path, saved, model_current, what=key)
     saved_states = meta.get("optimizer_states")
     if not optimizers or saved_states is None:
         return

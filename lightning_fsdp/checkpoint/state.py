@@ -206,6 +206,13 @@ def _omegaconf_container(obj: Any) -> Any:
     return None
 
 
+def stamp_lightning_version(meta: dict[str, Any]) -> None:
+    """Record the running Lightning version where a checkpoint dict has none (Lightning's loader reads it)."""
+    import lightning
+
+    meta.setdefault("pytorch-lightning_version", lightning.__version__)
+
+
 def plain_checkpoint_meta(meta: dict[str, Any]) -> dict[str, Any]:
     """:func:`to_plain` for a whole Lightning checkpoint dict (minus tensors), warning about lossy conversions.
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Union
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.device_mesh import DeviceMesh
 
 SizeArg = Union[int, Literal["auto"]]
@@ -113,3 +114,10 @@ def data_parallel_rank(mesh: DeviceMesh) -> int:
     if mesh.ndim == 1:
         return mesh.get_local_rank()
     return mesh.get_local_rank(REPLICATE_DIM) * mesh.size(1) + mesh.get_local_rank(SHARD_DIM)
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a DTensor's local shard, or the tensor itself (replicated, or no mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

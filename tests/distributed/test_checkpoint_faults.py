@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from lightning_fsdp.checkpoint import CheckpointError, verify_checkpoint
-from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME, META_NAME, hash_file
+from lightning_fsdp.checkpoint.checksums import hash_file
+from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME, META_NAME
 from tests.scripts.ckpt_jobs import end_session, errors_by_rank, job, start, wait_for
 
 STEPS_PER_EPOCH = 4

@@ -81,3 +81,19 @@ def test_lightnings_weight_averaging_is_refused_naming_the_replacement(tmp_path,
     import torch.distributed as dist
 
     assert not dist.is_initialized()  # refused before any process group was created
+
+
+def test_an_average_must_fit_the_model_it_is_loaded_into():
+    """What both checkpoint formats check before reading an average: its keys are model keys of the same dtype and
+    shape; the model keys it lacks (frozen parameters) are fine."""
+    from lightning_fsdp.checkpoint import CheckpointError
+    from lightning_fsdp.checkpoint.compatibility import check_entry_fits
+
+    model = {"w": (torch.float32, (2, 3)), "frozen": (torch.float32, (2, 2))}
+    check_entry_fits("ckpt", {"w": (torch.float32, (2, 3))}, model, what="ema_state_dict")
+    unknown = r"its 'ema_state_dict' holds \[other\], which the current model does not have"
+    with pytest.raises(CheckpointError, match=unknown):
+        check_entry_fits("ckpt", {"w": (torch.float32, (2, 3)), "other": (torch.float32, (1,))}, model,
+                         what="ema_state_dict")
+    with pytest.raises(CheckpointError, match=r"w: checkpoint shape \(3, 2\), ema_state_dict \(2, 3\)"):
+        check_entry_fits("ckpt", {"w": (torch.float32, (3, 2))}, model, what="ema_state_dict")

@@ -7,16 +7,13 @@ import json
 import pytest
 
 from lightning_fsdp.checkpoint import CheckpointError
+from lightning_fsdp.checkpoint.checksums import FileEntry, FileRecords, HashingWriter, hash_file
 from lightning_fsdp.checkpoint.manifest import (
     FORMAT_VERSION,
-    FileEntry,
-    FileRecords,
-    HashingWriter,
     Manifest,
     assign_files,
     build_manifest,
     check_files,
-    hash_file,
     read_manifest,
 )
 

@@ -23,7 +23,8 @@ from lightning_fsdp.checkpoint import (
     load_pretrained,
     verify_checkpoint,
 )
-from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME, META_NAME, hash_file
+from lightning_fsdp.checkpoint.checksums import hash_file
+from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME, META_NAME
 from lightning_fsdp.commands.consolidate import main as consolidate_main
 
 
