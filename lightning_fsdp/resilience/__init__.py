@@ -7,6 +7,7 @@ here makes the ranks *agree* first:
 ==========================  ==========================================================================================
 :mod:`.relay`               a rank's exception reaches every rank through the rendezvous store within seconds
 :mod:`.launcher`            Lightning's launcher, telling the relay first; :mod:`.children` reaps spawned ranks
+:mod:`.parent`              a spawned rank watches the rank that spawned it, and names it if it dies
 :mod:`.preemption`          SIGTERM/SIGUSR1 → agreed save of ``last`` → exit :data:`PREEMPTED_EXIT_CODE` (requeue)
 :mod:`.nonfinite`           a NaN/inf loss or gradient norm on any rank skips the step on every rank
 :mod:`.batches`             ranks with different numbers of batches all fail together; mid-epoch resume

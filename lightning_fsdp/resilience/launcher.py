@@ -1,5 +1,6 @@
-"""Lightning's script launcher, plus: a rank's exception reaches every rank before any hook runs, and rank 0 reaps
-the ranks it spawned. Used under torchrun/SLURM too (then it spawns nothing)."""
+"""Lightning's script launcher, plus: a rank's exception reaches every rank before any hook runs, rank 0 reaps
+the ranks it spawned, and they watch it (each side names the other if it dies without a traceback). Used under
+torchrun/SLURM too (then it spawns nothing and nobody's parent is a rank)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from typing_extensions import override
 
 from lightning_fsdp._torch_compat import SubprocessScriptLauncher, set_num_threads_if_needed, start_local_ranks
+from lightning_fsdp.resilience.parent import launching
 from lightning_fsdp.resilience.relay import FailureRelay
 
 if TYPE_CHECKING:
@@ -27,8 +29,14 @@ class ResilientLauncher(SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if not self.cluster_environment.creates_processes_externally:
-            self._relay.watch_children(start_local_ranks(self))
+        env = self.cluster_environment
+        rank = env.node_rank() * self.num_processes + env.local_rank()
+        if not env.creates_processes_externally:
+            with launching(rank):
+                children = start_local_ranks(self)
+            self._relay.watch_children(children, rank)
+        else:
+            self._relay.watch_parent(rank)
         set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)

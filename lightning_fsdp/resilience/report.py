@@ -7,6 +7,8 @@ then is ``sys.excepthook`` replaced.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import traceback
 from typing import Any, Optional
@@ -21,6 +23,43 @@ def say(message: str, rank: Optional[int] = None) -> None:
     """One line on stderr, flushed at once (the process may end right after)."""
     sys.stderr.write(f"[rank {launch_rank() if rank is None else rank}] {message}\n")
     sys.stderr.flush()
+
+
+def last_words(message: str, rank: int) -> None:
+    """:func:`say` as this process's last line, which it is about to end on. Stdout and stderr point at
+    /dev/null first, so that nothing another thread prints meanwhile (a C++ warning about the connection that just
+    died, a collective's error) can come after the line that says why the rank ended."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        original = os.dup(2)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        os.write(original, f"[rank {rank}] {message}\n".encode(errors="replace"))
+    except (OSError, ValueError):
+        say(message, rank)
+
+
+def how_it_ended(returncode: Optional[int]) -> str:
+    """How a process ended, from its ``Popen.returncode`` (negative: the signal that killed it)."""
+    if returncode is None:
+        return "vanished; how it ended is not known"
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        return f"was killed by signal {-returncode}"
+    return f"was killed by signal {name} ({-returncode})"
+
+
+def death(who: str, returncode: Optional[int]) -> str:
+    """``who`` ended without reporting an error: one sentence saying how (what a signal usually means)."""
+    if returncode is None or returncode >= 0:
+        return f"{who} {how_it_ended(returncode)}" + ("" if returncode is None else " without reporting an error")
+    hint = " (the OOM killer sends SIGKILL)" if returncode == -signal.SIGKILL else ""
+    return f"{who} {how_it_ended(returncode)} without a traceback{hint}"
 
 
 def summary(exc: BaseException) -> str:

@@ -45,6 +45,19 @@ def test_exception_on_one_rank_ends_every_rank(tmp_path, kind, rank, message):
     assert f"[rank {survivor}]" in job.output and f"rank {rank} failed" in job.output, job.output[-3000:]
 
 
+@pytest.mark.parametrize("rank", [0, 1], ids=["launcher-rank0", "spawned-rank1"])
+def test_rank_killed_by_a_signal_is_named_by_the_survivor(tmp_path, rank):
+    """SIGKILL (the OOM killer's signal) leaves no traceback and no abort record; rank 0 also takes the store with
+    it. The survivor's last line must still say which rank stopped and how, not gloo's "Connection reset by peer"."""
+    job = run_lightning({**BASE, "max_steps": 4, "inject": {"kind": "sigkill", "rank": rank, "step": 2}}, tmp_path, "job")
+    assert_ended_promptly(job, within=60)
+    lines = [line for line in job.output.splitlines() if line.strip()]
+    survivor = 1 - rank
+    assert lines and lines[-1].startswith(f"[rank {survivor}] rank {rank} (pid "), job.output[-3000:]
+    assert "was killed by signal SIGKILL (9)" in lines[-1], job.output[-3000:]
+    assert TRACEBACK not in job.output, job.output[-6000:]
+
+
 def test_exception_in_a_later_stage_ends_every_rank(tmp_path):
     """``fit`` finished, then ``validate`` fails on rank 1: the relay works in every Trainer stage, not only the first."""
     spec = {**BASE, "max_steps": 2, "validate_after": True, "limit_val_batches": 4,

@@ -34,11 +34,12 @@ class Job:
     orphans: list[str] = field(default_factory=list)
     log: list[dict[str, Any]] = field(default_factory=list)
     fault_time: Optional[float] = None
+    last_ended: Optional[float] = None  # when the job's last process ended (a rank can outlive the top process)
 
     @property
     def seconds_after_fault(self) -> float:
         assert self.fault_time is not None, "the fault never fired:\n" + self.output[-4000:]
-        return self.ended - self.fault_time
+        return max(self.ended, self.last_ended or self.ended) - self.fault_time
 
     @property
     def losses(self) -> list[float]:
@@ -66,19 +67,20 @@ def session_processes(sid: int) -> list[str]:
     return found
 
 
-def _orphans_after(sids: list[int], grace: float = 3.0) -> list[str]:
+def _orphans_after(sids: list[int], grace: float = 3.0) -> tuple[list[str], Optional[float]]:
+    """Processes still in the sessions ``grace`` s after the top-level ones ended, and when the last one ended."""
     deadline = time.monotonic() + grace
     while True:
         left = [p for sid in sids for p in session_processes(sid)]
         if not left or time.monotonic() > deadline:
             break
-        time.sleep(0.1)
+        time.sleep(0.05)
     for sid in sids:  # never leave anything behind, whatever the assertion says
         try:
             os.killpg(sid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    return left
+    return left, (None if left else time.time())
 
 
 def write_spec(spec: dict[str, Any], tmp_path: Path, name: str) -> tuple[Path, dict[str, Any]]:
@@ -106,13 +108,13 @@ def _finish(procs: list[subprocess.Popen], started: float, timeout: float, spec:
         _orphans_after(sids, grace=0)
         outputs = "\n".join(Path(f).read_text(errors="replace")[-6000:] for f in logs)
         raise AssertionError(f"job did not end within {timeout} s (it hangs):\n{outputs}") from None
-    orphans = _orphans_after(sids)
+    orphans, last_ended = _orphans_after(sids)
     output = "\n".join(Path(f).read_text(errors="replace") for f in logs)
     log_path = Path(spec["log"])
     rows = [json.loads(line) for line in log_path.read_text().splitlines()] if log_path.exists() else []
     stamp = Path(spec.get("inject", {}).get("stamp", "/nonexistent"))
     fault = float(stamp.read_text()) if stamp.exists() else None
-    return Job([p.returncode for p in procs], output, started, ended, orphans, rows, fault)
+    return Job([p.returncode for p in procs], output, started, ended, orphans, rows, fault, last_ended)
 
 
 def run_lightning(spec: dict[str, Any], tmp_path: Path, name: str, *, timeout: float = 240, on_start=None) -> Job:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -54,6 +55,8 @@ class Faulty(TinyLM):
     def training_step(self, batch, batch_idx):
         if self._hit("raise_step"):
             raise ValueError(f"injected failure in training_step on rank {_rank()}")
+        if self._hit("sigkill"):  # what the OOM killer does: no traceback, no exception, no abort record
+            os.kill(os.getpid(), signal.SIGKILL)
         if self._hit("sleep"):
             time.sleep(float(self.inject.get("seconds", 60)))
         if self._hit("wait_signal"):
