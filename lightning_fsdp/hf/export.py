@@ -34,10 +34,12 @@ from lightning_fsdp.checkpoint.shard_reader import ShardReader
 from lightning_fsdp.checkpoint.sharded_load import read_state_files
 from lightning_fsdp.checkpoint.state import weight_paths
 from lightning_fsdp.formatting import parse_bytes, short_list
+from lightning_fsdp.hf.conversion import revert_tensor
 from lightning_fsdp.hf.directory import INDEX_NAME, HFDirectory, identity_differences, side_files
 from lightning_fsdp.hf.info import HF_ENTRY
 from lightning_fsdp.hf.keys import KeyLayout, detect_layout, is_adapter_key
 from lightning_fsdp.precision import parse_dtype
+from lightning_fsdp.sharding import tied_aliases
 
 Source = Callable[[], torch.Tensor]
 
@@ -216,6 +218,9 @@ def export_hf(
             file_key = None if is_adapter_key(key) else layout.file_key(key)
             if file_key is not None:
                 names[file_key] = key
+        skeleton = build_skeleton(info, with_adapters=False)
+        for alias in tied_aliases(skeleton):  # a tied tensor is written once, as save_pretrained does
+            names.pop(alias, None)
         target = out_dtype or _dtype_of(tensors)
         shards = _plan_shards(names, tensors.shapes, target, limit)
         with _staged(dst) as staging:
@@ -224,10 +229,13 @@ def export_hf(
             for i, shard in enumerate(shards, start=1):
                 file = f"model-{i:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
                 data = {}
-                for file_key in shard:
-                    data[file_key] = sources[names[file_key]]().to(target).contiguous()
-                    total += data[file_key].numel() * data[file_key].element_size()
-                    weight_map[file_key] = file
+                for model_key in shard:
+                    tensor = sources[names[model_key]]().to(target)
+                    # back to the file layout: fused MoE experts split per expert, renamed blocks renamed back
+                    for file_key, part in revert_tensor(skeleton, model_key, tensor).items():
+                        data[file_key] = part.contiguous()
+                        total += part.numel() * part.element_size()
+                        weight_map[file_key] = file
                 _save_safetensors(data, staging / file)
                 del data
             if len(shards) > 1:

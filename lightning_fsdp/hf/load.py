@@ -5,6 +5,10 @@ keys to the files' (:mod:`~lightning_fsdp.hf.keys`), checks names, shapes and dt
 ``HuggingFaceStorageReader`` gives each rank exactly the rows of its own shards (lazy safetensors slices), copied
 into the sharded parameters (converting e.g. bf16 files into fp32 master weights, with one notice). Problems are
 agreed between the ranks, so every rank raises the same :class:`CheckpointError` before anything is changed.
+
+Tied parameters (a head tied to the embedding: transformers writes the tensor once) are read once for every name
+they have. Checkpoints that transformers renames or fuses while loading are matched under the model's own keys, and
+fused tensors are built per rank from the source tensors of its rows (:mod:`~lightning_fsdp.hf.conversion`).
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from lightning_fsdp.checkpoint.compatibility import check_fits, describe
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.sharded import agreed, read_into
 from lightning_fsdp.formatting import short_list
+from lightning_fsdp.hf.conversion import Conversion, FusedTensor, conversion_for, hf_model_in
 from lightning_fsdp.hf.directory import SUFFIX, HFDirectory
 from lightning_fsdp.hf.keys import KeyLayout, detect_layout, is_adapter_key
 from lightning_fsdp.parallel.collectives import rank
+from lightning_fsdp.parallel.mesh import local_rows, local_shard
+from lightning_fsdp.sharding import tied_aliases
 
 RESTORE_HINT = "The model may be partly loaded: do not train from this state; fix the weights and start again."
 
@@ -56,6 +63,8 @@ class LoadPlan:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     converted: list[str] = field(default_factory=list)
+    covered: list[str] = field(default_factory=list)  # every model key the files overwrite, tied aliases included
+    conversion: Optional[Conversion] = None  # transformers' load-time renames and fusions, when the files need them
 
 
 def plan_load(
@@ -65,27 +74,39 @@ def plan_load(
     strict: bool = True,
     key_map: Optional[Mapping[str, str]] = None,
     only: Optional[Collection[str]] = None,
+    tied: Optional[Mapping[str, str]] = None,
+    conversion: Optional[Conversion] = None,
 ) -> LoadPlan:
-    """Match ``model_tensors`` (the model's state dict) against the files: a pure function of names and shapes."""
+    """Match ``model_tensors`` (the model's state dict) against the files: a pure function of names and shapes.
+
+    ``tied`` maps every other name of a tied parameter to its first name (:func:`~lightning_fsdp.sharding
+    .tied_aliases`): transformers writes a tied tensor once (no ``lm_head.weight`` beside the embedding), so one file
+    key serves every name of the group. Tensors that are the same object are grouped as well. With ``conversion``
+    the files are matched under the keys transformers converts them to (:mod:`~lightning_fsdp.hf.conversion`)."""
     names = [k for k in model_tensors if only is None or k in only]
     adapters = [k for k in names if is_adapter_key(k)]
     names = [k for k in names if not is_adapter_key(k)]
-    layout = detect_layout(names, directory.tensors, key_map)
-    aliases: dict[int, list[str]] = {}
+    available = conversion.tensors if conversion is not None else directory.tensors
+    layout = detect_layout(names, available, key_map)
+    aliases: dict[str, list[str]] = {}
+    first_of_tensor: dict[int, str] = {}
     for key in names:
-        aliases.setdefault(id(model_tensors[key]), []).append(key)
+        anchor = (tied or {}).get(key) or first_of_tensor.setdefault(id(model_tensors[key]), key)
+        aliases.setdefault(anchor, []).append(key)
     file_key_of: dict[str, str] = {}
     missing: list[str] = []
+    covered: list[str] = []
     used: set[str] = set()
     for group in aliases.values():  # tied weights: one file key serves every name of the tensor
-        found = [(k, layout.file_key(k)) for k in group if layout.file_key(k) in directory.tensors]
+        found = [(k, layout.file_key(k)) for k in group if layout.file_key(k) in available]
         if found:
             file_key_of[found[0][0]] = found[0][1]  # type: ignore[assignment]
             used.update(f for _, f in found)  # a file may store each name of a tied tensor
+            covered += group
         else:
             missing += group
-    unexpected = sorted(k for k in directory.tensors if k not in used) if only is None else []
-    saved = {model_key: (directory.tensors[f].dtype, directory.tensors[f].shape) for model_key, f in file_key_of.items()}
+    unexpected = sorted(k for k in available if k not in used) if only is None else []
+    saved = {model_key: (available[f].dtype, available[f].shape) for model_key, f in file_key_of.items()}
     where = f"Pretrained weights {directory.root}"
     current = describe({k: model_tensors[k] for k in file_key_of})
     fix = (
@@ -98,7 +119,9 @@ def plan_load(
             f" {short_list(unexpected)}. {fix}"
         )
     fit = check_fits(where, saved, current, strict=True, source="file", dtype_mismatch="convert")
-    return LoadPlan(directory, layout, file_key_of, adapters, sorted(missing), unexpected, fit.converted)
+    return LoadPlan(
+        directory, layout, file_key_of, adapters, sorted(missing), unexpected, fit.converted, sorted(covered), conversion
+    )
 
 
 class DirectoryReader(HuggingFaceStorageReader):
@@ -141,15 +164,21 @@ def load_safetensors(
 
     directory = agreed(lambda: HFDirectory.open(path), f"Loading pretrained weights {path}")
     model_sd = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
-    plan = agreed(
-        lambda: plan_load(model_sd, directory, strict=strict, key_map=key_map, only=only),
-        f"Loading pretrained weights {path}",
-    )
+    plan = agreed(lambda: _plan(model, model_sd, directory, strict, key_map, only), f"Loading pretrained weights {path}")
     if rank() == 0:
         _notify(plan, strict)
-    targets = {file_key: model_sd[model_key] for model_key, file_key in plan.file_key_of.items()}
+    conversion = plan.conversion
+    targets: dict[str, torch.Tensor] = {}
+    fused: list[tuple[torch.Tensor, FusedTensor]] = []
+    for model_key, key in plan.file_key_of.items():
+        if conversion is not None and key in conversion.fused:
+            fused.append((model_sd[model_key], conversion.fused[key]))
+        else:
+            targets[conversion.renamed[key] if conversion is not None else key] = model_sd[model_key]
     reader, planner = DirectoryReader(directory), DefaultLoadPlanner(allow_partial_load=True)
     read_into(targets, reader, planner, f"Reading pretrained weights {path}", RESTORE_HINT)
+    if fused:
+        agreed(lambda: _read_fused(fused, directory), f"Reading pretrained weights {path}", hint=RESTORE_HINT)
     loaded = {k: model_sd[k] for k in plan.file_key_of}
     agreed(
         lambda: set_model_state_dict(model, loaded, options=StateDictOptions(strict=False)),
@@ -168,9 +197,40 @@ def planned_keys(
 
     directory = agreed(lambda: HFDirectory.open(path), f"Loading pretrained weights {path}")
     model_sd = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
-    plan = agreed(lambda: plan_load(model_sd, directory, strict=strict, key_map=key_map), f"Loading pretrained weights {path}")
-    loaded = {id(model_sd[k]) for k in plan.file_key_of}
-    return {k for k, v in model_sd.items() if id(v) in loaded}
+    plan = agreed(lambda: _plan(model, model_sd, directory, strict, key_map, None), f"Loading pretrained weights {path}")
+    return set(plan.covered)
+
+
+def _plan(
+    model: nn.Module,
+    model_sd: Mapping[str, torch.Tensor],
+    directory: HFDirectory,
+    strict: bool,
+    key_map: Optional[Mapping[str, str]],
+    only: Optional[Collection[str]],
+) -> LoadPlan:
+    """:func:`plan_load` with the model's ties and, for a HF model, transformers' conversion of these files."""
+    conversion = conversion_for(hf_model_in(model), directory) if not key_map else None
+    return plan_load(
+        model_sd, directory, strict=strict, key_map=key_map, only=only, tied=tied_aliases(model), conversion=conversion
+    )
+
+
+def _read_fused(fused: list[tuple[torch.Tensor, FusedTensor]], directory: HFDirectory) -> None:
+    """Each fused tensor's local rows, built by transformers' converter from the source tensors of those rows.
+    Every source is read through its own short-lived mapping, so pages of tensors already copied are released."""
+    from safetensors import safe_open
+
+    def read(file_key: str) -> torch.Tensor:
+        with safe_open(str(directory.root / directory.tensors[file_key].file), framework="pt") as f:
+            return f.get_tensor(file_key)
+
+    with torch.no_grad():
+        for target, tensor in fused:
+            start, stop = local_rows(target)
+            if stop > start:
+                local = local_shard(target)
+                local.copy_(tensor.rows(start, stop, read).to(local.dtype))
 
 
 def _notify(plan: LoadPlan, strict: bool) -> None:

@@ -121,3 +121,26 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_rows(tensor: torch.Tensor) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of dim 0 this rank's :func:`local_shard` of ``tensor`` holds.
+
+    FSDP2 shards dim 0 as ``torch.chunk`` does (the first ranks get ``ceil(rows / shards)`` rows, the last fewer or
+    none); replicated mesh dims (HSDP) hold the same rows. Checked against the local shard's actual length."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return 0, tensor.shape[0]
+    start, size = 0, tensor.shape[0]
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard):
+            if placement.dim != 0:
+                raise ValueError(f"Only dim-0 sharding has row ranges; this tensor is sharded as {tensor.placements}.")
+            count, coordinate = tensor.device_mesh.size(mesh_dim), tensor.device_mesh.get_local_rank(mesh_dim)
+            chunk = -(-size // count)
+            begin = min(coordinate * chunk, size)
+            start, size = start + begin, min(chunk, size - begin)
+    if size != tensor.to_local().shape[0]:
+        raise ValueError(f"Rows {start}..{start + size} do not match the local shard's {tensor.to_local().shape[0]} rows.")
+    return start, start + size

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_fsdp._torch_compat import distributed_rng_supported
+from lightning_fsdp.sharding.units import tied_aliases
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -122,13 +123,25 @@ def materialize_meta_module(
         return
     inits = plan_initialization(model, rules, loaded)  # raises before anything is allocated
     real_buffers = {name: b for name, b in model.named_buffers() if not b.is_meta}
+    ties = tied_aliases(model)
     model.to_empty(device=device)
+    _retie(model, ties)  # ``to_empty`` replaces a plain (unsharded) parameter once per module that holds it
     with torch.no_grad():
         for name, value in real_buffers.items():
             model.get_buffer(name).copy_(value)
         with _distinct_shard_rng(mesh):
             for init in inits:
                 init()
+
+
+def _retie(model: nn.Module, ties: dict[str, str]) -> None:
+    """Make every alias of a tied parameter the same ``Parameter`` as its first name again."""
+    for alias, canonical in ties.items():
+        owner, _, attr = alias.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        shared = model.get_parameter(canonical)
+        if getattr(module, attr) is not shared:
+            module.register_parameter(attr, shared)
 
 
 def _tensors(module: nn.Module, recurse: bool) -> Iterator[torch.Tensor]:

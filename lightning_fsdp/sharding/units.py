@@ -68,6 +68,20 @@ def select_units(model: nn.Module, policy: WrapPolicy, *, arg_name: str = "auto_
     return sorted(chosen, key=lambda n: n.count("."), reverse=True)
 
 
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Every name of a tied parameter → the first name it has (``lm_head.weight`` → ``model.embed_tokens.weight``).
+
+    State dicts hold a separate detached tensor per name, so ties are read from the module tree itself, which
+    keeps one ``Parameter`` (after ``fully_shard`` too: FSDP2 shares one ``DTensor`` between the modules)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        canonical = first.setdefault(id(param), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
+
+
 def _runs_forward(module: nn.Module) -> bool:
     """FSDP2 hooks a unit's ``forward``; containers without one (``ModuleList``, ``ModuleDict``) cannot be units."""
     return type(module).forward is not nn.Module.forward
