@@ -22,7 +22,7 @@ from torch import nn
 from lightning_fsdp.checkpoint.base_weights import BaseReference
 from lightning_fsdp.hf.base import loaded_base
 from lightning_fsdp.hf.init_rules import LIBRARY_RULES
-from lightning_fsdp.sharding import DEFAULT_RULES, ShardingPlan, materialize_meta_module, parallelize
+from lightning_fsdp.sharding import DEFAULT_RULES, Sharded, ShardingPlan, materialize_meta_module, parallelize
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -56,7 +56,9 @@ def prepare_model(model: nn.Module, mesh: DeviceMesh, preparation: Preparation) 
 
     if isinstance(model, FSDPModule):
         return Prepared()
-    units = parallelize(model, mesh, preparation.plan)
+    sharded = parallelize(model, mesh, preparation.plan)
+    units = sharded.units
+    _train_hf_models_without_cache(model, sharded)
     source = preparation.pretrained_weights
     sharded_source = source is not None and is_safetensors_source(source)
     loaded = (
@@ -72,3 +74,22 @@ def prepare_model(model: nn.Module, mesh: DeviceMesh, preparation: Preparation) 
 
         load_pretrained(model, source, strict=preparation.strict)
     return Prepared(units, base)
+
+
+def _train_hf_models_without_cache(model: nn.Module, sharded: Sharded) -> None:
+    """Checkpointed or compiled blocks of a HF model: its training forward builds no KV cache (one notice)."""
+    import warnings
+
+    from lightning_fsdp.hf.cache import train_without_cache
+    from lightning_fsdp.parallel.collectives import rank
+
+    hooked = train_without_cache(model, sharded.checkpointed + sharded.compiled)
+    if hooked and rank() == 0:
+        what = " and ".join(w for w, on in (("activation checkpointing", sharded.checkpointed), ("compile", sharded.compiled)) if on)
+        warnings.warn(
+            f"{what} of Hugging Face blocks: {', '.join(repr(h or type(model).__name__) for h in hooked)} run"
+            " the training forward with use_cache=False, as transformers' gradient_checkpointing_enable does (a KV"
+            " cache built in training is appended to again when a block is recomputed, and makes compiled blocks"
+            " recompile per layer); eval and generate keep config.use_cache.",
+            stacklevel=3,
+        )

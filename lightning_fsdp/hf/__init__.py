@@ -3,7 +3,10 @@
 ==========================  ==========================================================================================
 :mod:`.directory`           a model directory (index + safetensors shards) validated from its headers; its identity
 :mod:`.keys`                model keys ↔ file keys: the LightningModule attribute and PEFT's wrapping, as data
-:mod:`.load`                pretrained weights straight into each rank's shards (DCP's safetensors reader)
+:mod:`.load`                pretrained weights straight into each rank's shards (DCP's safetensors reader); ties
+:mod:`.conversion`          checkpoints transformers converts at load time (fused MoE experts, renamed blocks),
+                            through its own mapping: each rank reads the source tensors of its rows; reversed on export
+:mod:`.cache`               checkpointed or compiled HF blocks: a training forward without a KV cache
 :mod:`.init_rules`          meta-device initialisation the way transformers and PEFT do it (``lora_B`` = 0)
 :mod:`.base`                the loaded base; LoRA checkpoints that refer to it instead of storing it
 :mod:`.info`                what a checkpoint records about the HF model (config, attribute, adapters) for export

@@ -72,7 +72,7 @@ class HFCausalLM(L.LightningModule):
         if self.model is None:
             self.configure_model()
         assert self.model is not None
-        return self.model(input_ids=input_ids, use_cache=False).logits
+        return self.model(input_ids=input_ids).logits
 
     def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch

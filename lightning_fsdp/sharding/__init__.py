@@ -19,7 +19,7 @@ from lightning_fsdp.sharding.materialize import (
     parameters_on_meta,
     reset_parameters_rule,
 )
-from lightning_fsdp.sharding.parallelize import ShardingPlan, apply_activation_checkpointing, parallelize, shard_model
+from lightning_fsdp.sharding.parallelize import Sharded, ShardingPlan, apply_activation_checkpointing, parallelize, shard_model
 from lightning_fsdp.sharding.policy import (
     AUTO,
     UnitPolicy,
@@ -28,7 +28,7 @@ from lightning_fsdp.sharding.policy import (
     resolve_policy,
     validate_policy,
 )
-from lightning_fsdp.sharding.units import select_units
+from lightning_fsdp.sharding.units import select_units, tied_aliases
 
 __all__ = [
     "AUTO",
@@ -36,6 +36,7 @@ __all__ = [
     "CompileError",
     "DEFAULT_RULES",
     "InitRule",
+    "Sharded",
     "ShardingPlan",
     "UnitPolicy",
     "WrapPolicy",
@@ -50,5 +51,6 @@ __all__ = [
     "resolve_policy",
     "select_units",
     "shard_model",
+    "tied_aliases",
     "validate_policy",
 ]

@@ -89,14 +89,24 @@ def shard_model(
     return names + [""]
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[str]:
-    """Activation checkpointing, then FSDP units bottom-up and the root. Returns the FSDP unit names."""
+@dataclass(frozen=True)
+class Sharded:
+    """What :func:`parallelize` did: the FSDP units (the root is ``""``), the modules that recompute activations,
+    and the units whose forward is compiled."""
+
+    units: list[str]
+    checkpointed: list[str]
+    compiled: list[str]
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> Sharded:
+    """Activation checkpointing, then FSDP units bottom-up and the root."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
-        return []
-    apply_activation_checkpointing(model, plan.activation_checkpointing)
-    return shard_model(
+        return Sharded([], [], [])
+    checkpointed = apply_activation_checkpointing(model, plan.activation_checkpointing)
+    units = shard_model(
         model,
         mesh,
         plan.wrap_policy,
@@ -105,3 +115,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[
         reshard_after_forward=plan.reshard_after_forward,
         compile=plan.compile,
     )
+    options = compile_options(plan.compile)
+    compiled = [] if options is None else [u for u in units if u or options.get("root")]
+    return Sharded(units, checkpointed, compiled)
