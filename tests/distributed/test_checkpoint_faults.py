@@ -154,7 +154,9 @@ def test_directory_without_manifest_is_refused(tmp_path, base):
 
 # -- a rank killed in the middle of a save ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("target", "kill_rank"), [("epoch=1-step=8.ckpt", 1), ("last.ckpt", 0)], ids=["fresh_path", "overwriting_last"]
+    ("target", "kill_rank"),
+    [pytest.param("epoch=1-step=8.ckpt", 1, marks=pytest.mark.slow), ("last.ckpt", 0)],
+    ids=["fresh_path", "overwriting_last"],
 )
 def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, base, target, kill_rank):
     """Resume for epoch 2; at its end ModelCheckpoint saves `epoch=1-step=8.ckpt`, then overwrites `last.ckpt`.

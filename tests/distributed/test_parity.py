@@ -85,6 +85,7 @@ def _checkpoint_keys(path) -> list[str]:
     return list(read_metadata(path).state_dict_metadata)
 
 
+@pytest.mark.slow  # the default suite compiles a HF Llama's blocks with activation checkpointing instead
 def test_compiled_units_with_activation_checkpointing_equal_one_process(tmp_path):
     """fp32 on CPU: inductor's fused kernels reproduce the eager reference at torch's default fp32 tolerances, so
     the compiled run is held to them too. One graph serves the three identical blocks, forward and recompute

@@ -44,3 +44,27 @@ def save_safetensors_dir(state_dict: dict[str, torch.Tensor], path: Path, files:
         weight_map.update(dict.fromkeys(part, name))
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return path
+
+
+#: tiny configs of the other families the package claims, sized so every shard is uneven at 2 ranks: Mistral (dense,
+#: Llama's keys), Mixtral (experts fused by transformers at load time, blocks renamed) and Qwen2-MoE (fused experts
+#: beside a shared expert, attention biases); five experts split 3 + 2
+FAMILIES = {
+    "mistral": dict(model_type="mistral", intermediate_size=150),
+    "mixtral": dict(model_type="mixtral", intermediate_size=128, num_local_experts=5, num_experts_per_tok=2,
+                    num_hidden_layers=12),  # many small layers: the load-memory bound is about one tensor at a time
+    "qwen2_moe": dict(model_type="qwen2_moe", intermediate_size=96, num_experts=5, num_experts_per_tok=2,
+                      moe_intermediate_size=48, shared_expert_intermediate_size=80),
+}
+
+
+def write_family(path: Path, family: str, seed: int = 0, max_shard_size: str = "64KB") -> Path:
+    """A random model of ``family`` (:data:`FAMILIES`) with the tiny Llama's dimensions, saved with
+    ``save_pretrained`` in several shards: the layout a downloaded checkpoint has."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = {**TINY_LLAMA, **FAMILIES[family]}
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path, max_shard_size=max_shard_size)
+    return path

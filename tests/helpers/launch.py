@@ -42,15 +42,39 @@ def run_python(args: list[str], *, timeout: float = 240, env: Optional[dict[str,
     )
 
 
-def train(spec: dict[str, Any], tmp_path: Path, name: str = "run", *, timeout: float = 240, check: bool = True) -> dict[str, Any]:
+def train(
+    spec: dict[str, Any],
+    tmp_path: Path,
+    name: str = "run",
+    *,
+    timeout: float = 240,
+    check: bool = True,
+    env: Optional[dict[str, str]] = None,
+) -> dict[str, Any]:
     """Run ``tests/scripts/train.py`` with ``spec``; returns rank 0's result with the full params loaded."""
-    spec = {**spec, "out": str(tmp_path / f"{name}.json"), "root_dir": str(tmp_path)}
-    spec_path = tmp_path / f"{name}.spec.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = run_python([str(SCRIPTS / "train.py"), str(spec_path)], timeout=timeout)
+    return train_many({name: spec}, tmp_path, timeout=timeout, check=check, env=env)[name]
+
+
+def train_many(
+    specs: dict[str, dict[str, Any]],
+    tmp_path: Path,
+    *,
+    timeout: float = 240,
+    check: bool = True,
+    env: Optional[dict[str, str]] = None,
+) -> dict[str, dict[str, Any]]:
+    """Several runs of ``tests/scripts/train.py`` one after another in one process start (single-process runs, or
+    one multi-rank run): results by name."""
+    full = {name: {**spec, "out": str(tmp_path / f"{name}.json"), "root_dir": str(tmp_path)} for name, spec in specs.items()}
+    spec_path = tmp_path / f"{'+'.join(specs)}.spec.json"
+    spec_path.write_text(json.dumps(list(full.values()) if len(full) > 1 else next(iter(full.values()))))
+    proc = run_python([str(SCRIPTS / "train.py"), str(spec_path)], timeout=timeout, env=env)
     if check and proc.returncode != 0:
-        raise AssertionError(f"training run {name!r} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    result = json.loads(Path(spec["out"]).read_text())
-    result["params"] = torch.load(result["params_path"], weights_only=True)
-    result["proc"] = proc
-    return result
+        raise AssertionError(f"training runs {list(specs)} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    results = {}
+    for name, spec in full.items():
+        result = json.loads(Path(spec["out"]).read_text())
+        result["params"] = torch.load(result["params_path"], weights_only=True)
+        result["proc"] = proc
+        results[name] = result
+    return results

@@ -148,6 +148,24 @@ class CountCompiles(Callback):
         self.final = compiled_graph_count()
 
 
+class ProbeShardedLoad(Callback):
+    """At fit start, loads the safetensors directory ``path`` into the sharded model again and records each rank's
+    peak RSS increase while it does (what loading adds on top of the allocated shards)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.peaks = path, []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        from lightning_fsdp.hf import load_safetensors
+        from lightning_fsdp.memory import PeakMemory
+
+        tracker = PeakMemory()
+        trainer.strategy.barrier()
+        tracker.reset()
+        load_safetensors(trainer.strategy.model, self.path)
+        self.peaks = trainer.strategy.all_gather(torch.tensor([tracker.peak()])).reshape(-1).tolist()
+
+
 def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """Gathered full parameters (a collective on sharded strategies)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -196,6 +214,9 @@ def main(spec: dict) -> None:
     norm_counter = CountNormWork(at=spec["count_norm_work_at"]) if "count_norm_work_at" in spec else None
     if norm_counter is not None:
         callbacks.append(norm_counter)
+    probe = ProbeShardedLoad(spec["probe_sharded_load"]) if spec.get("probe_sharded_load") else None
+    if probe is not None:
+        callbacks.append(probe)
     ours = isinstance(strategy, lightning_fsdp.FSDPCustomStrategy) or str(strategy).startswith("fsdp_custom")
     ema = ema_callback(spec, ours)
     if ema is not None:
@@ -235,6 +256,8 @@ def main(spec: dict) -> None:
         result["all_gathers_in_step"] = counter.count
     if norm_counter is not None:
         result["norm_work_in_step"] = norm_counter.counts
+    if probe is not None:
+        result["sharded_load_peaks"] = probe.peaks
     if compiles is not None:
         result["compiled_graphs"] = {"after_warmup": compiles.warm, "at_end": compiles.final}
     if isinstance(ema, lightning_fsdp.ShardedEMA):
@@ -254,4 +277,6 @@ def main(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(Path(sys.argv[1]).read_text()))
+    specs = json.loads(Path(sys.argv[1]).read_text())
+    for one in specs if isinstance(specs, list) else [specs]:  # several single-process runs share one start-up
+        main(one)
