@@ -209,7 +209,7 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, base, tar
 
 
 # -- a rank whose disk write fails --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "async"])
 def test_failed_write_on_one_rank_fails_the_save_on_every_rank(tmp_path, async_save):
     """Rank 1's process may not grow a file beyond 4 KiB (RLIMIT_FSIZE: the kernel's EFBIG, a real write
     error) while it overwrites an existing checkpoint. Async: the error surfaces at the next save."""

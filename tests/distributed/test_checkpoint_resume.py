@@ -81,7 +81,8 @@ def test_resume_from_last_in_fresh_processes(tmp_path, reference):
 
 @pytest.mark.parametrize(
     ("world", "source", "replicate"),
-    [(1, "sharded", 1), (2, "full", 1), (3, "sharded", 1), pytest.param(4, "sharded", 2, marks=pytest.mark.slow)],
+    [(1, "sharded", 1), (2, "full", 1), pytest.param(3, "sharded", 1, marks=pytest.mark.slow),
+     pytest.param(4, "sharded", 2, marks=pytest.mark.slow)],
     ids=["1-sharded", "2-full", "3-sharded", "4-hsdp"],
 )
 def test_resume_at_another_world_size(tmp_path, reference, saved_on_4, world, source, replicate):

@@ -102,6 +102,7 @@ def test_collective_timeout_is_configurable_and_names_the_operation(tmp_path):
     assert "timeout=6 s" in job.output
 
 
+@pytest.mark.slow
 def test_collective_timeout_applies_to_hsdp_subgroups(tmp_path):
     """HSDP's shard and replicate groups are created by the device mesh with PyTorch's 30-minute default; the
     strategy gives them its own `timeout` too (here the all-gather on the shard group {0, 1} times out)."""

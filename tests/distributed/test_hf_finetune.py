@@ -51,7 +51,7 @@ def reference(bf16_llama, tmp_path_factory):
     return train(spec, tmp_path_factory.mktemp("reference"), "reference")
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: test_parity in default
 def test_full_finetune_from_sharded_safetensors_equals_from_pretrained(bf16_llama, reference, tmp_path, world):
     spec = {
         "strategy": "fsdp_custom",

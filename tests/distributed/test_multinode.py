@@ -58,7 +58,9 @@ def _assert_parity(result: dict, reference: dict) -> None:
         torch.testing.assert_close(result["params"][name], ref, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize(("strategy", "mesh"), [("fsdp_custom", (1, 4)), ("fsdp_custom_hybrid", (2, 2))])
+@pytest.mark.parametrize(
+    ("strategy", "mesh"), [pytest.param("fsdp_custom", (1, 4), marks=pytest.mark.slow), ("fsdp_custom_hybrid", (2, 2))]
+)
 def test_two_nodes_two_ranks_each_match_one_process(tmp_path, reference, strategy, mesh):
     result, output = _torchrun_train(tmp_path, strategy)
     assert result["world_size"] == 4

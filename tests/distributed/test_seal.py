@@ -108,7 +108,7 @@ class _RunsCode:
         return (open, (str(self.marker), "w"))
 
 
-@pytest.mark.parametrize("target", [".metadata", META_NAME])
+@pytest.mark.parametrize("target", [pytest.param(".metadata", marks=pytest.mark.slow), META_NAME])
 def test_crafted_pickle_runs_no_code_when_sealed_or_loaded(tmp_path, model_parallel, sealed, target):
     """Sealing reads every pickle with the restricted unpickler; a sealed directory whose pickle was replaced and
     whose manifest was rewritten to match (the checksums agree) still runs no code when inspected or loaded."""
@@ -164,6 +164,7 @@ def test_verify_and_inspect_good_and_damaged(tmp_path, sealed):
 
 
 
+@pytest.mark.slow
 def test_verify_and_inspect_a_ckpt_file(tmp_path, sealed):
     """A full .ckpt (here the consolidated sealed checkpoint): intact, described from its structure; a changed
     byte fails the archive's CRCs."""

@@ -47,7 +47,7 @@ def test_sharding_is_real_each_rank_holds_a_half(eager_reports):
         assert abs(s["optimizer"] - 2 * s["params"]) <= 0.02 * full  # AdamW: exp_avg + exp_avg_sq, sharded too
 
 
-@pytest.mark.parametrize("mode", ["configure_model", "empty_init"])
+@pytest.mark.parametrize("mode", [pytest.param("configure_model", marks=pytest.mark.slow), "empty_init"])
 def test_meta_init_never_materialises_the_full_model(tmp_path, mode, eager_reports):
     eager = eager_reports
     meta = _features(tmp_path, mode)

@@ -15,6 +15,7 @@ import pytest
 from tests.helpers.launch import REPO, run_python
 
 
+@pytest.mark.slow
 def test_quick_benchmark_writes_tables_and_plots(tmp_path):
     out = tmp_path / "results"
     proc = run_python([str(REPO / "benchmarks" / "run.py"), "--quick", "--out", str(out)], timeout=300)

@@ -129,8 +129,9 @@ EXPERIMENTS = {
 }
 
 
-#: experiments whose features other default tests run already (offload and HSDP parity): CI runs them with `-m slow`
-COVERED_ELSEWHERE = {"gpt_medium_offload", "hsdp"}
+#: experiments whose features other default tests run already (offload and HSDP parity, the pretrained start, the
+#: HF LoRA example): CI runs them with `-m slow`
+COVERED_ELSEWHERE = {"gpt_medium_offload", "hsdp", "finetune_pretrained", "finetune_hf_lora"}
 
 
 @pytest.mark.parametrize(
@@ -173,6 +174,7 @@ def test_every_experiment_runs_with_a_debug_override(tmp_path, experiment):
             torch.testing.assert_close(value, expected[name])
 
 
+@pytest.mark.slow
 def test_multirun_runs_each_job_in_its_own_folder(tmp_path):
     """`-m` (via `python -m lightning_fsdp`): one folder per job, no folder of the ranks' own, jobs isolated."""
     proc = check(cli(["train", "-m", "model=gpt_tiny", "debug=fast_dev_run", SMALL_CORPUS, "seed=1,2"], tmp_path,
