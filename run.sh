@@ -35,7 +35,7 @@ case "$cmd" in
     setup
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     if [ "${CI:-}" = "true" ] && [ "$#" -eq 0 ]; then
-      # CI has the time for the slow cases too (about 23 minutes in all on 2 cores)
+      # CI has the time for the slow cases too (2279 s of tests in all on 2 cores, measured)
       set -- -m "slow or not slow"
     fi
     exec "$VENV/bin/python" -m pytest "$@"
