@@ -10,11 +10,12 @@ compiles — only while the model trains with gradients on, so ``generate`` and 
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_fsdp.hf.init_rules import pretrained_model_class
 
 
 def _uses_cache(module: nn.Module) -> bool:
@@ -31,8 +32,7 @@ def train_without_cache(model: nn.Module, blocks: list[str]) -> list[str]:
     """Hook every outermost ``transformers.PreTrainedModel`` that contains one of ``blocks`` (checkpointed or compiled
     modules) and would build a cache, so that its training forward runs with ``use_cache=False``. Returns the names
     (``""``: the root) of the models hooked."""
-    modeling = sys.modules.get("transformers.modeling_utils")
-    pretrained = getattr(modeling, "PreTrainedModel", None)
+    pretrained = pretrained_model_class()
     if pretrained is None or not blocks:
         return []
     hooked: list[str] = []

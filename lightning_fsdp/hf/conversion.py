@@ -17,7 +17,6 @@ Export runs the mapping backwards (:func:`revert_tensor`), so ``--format hf`` wr
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 from lightning_fsdp.hf.directory import HFDirectory, TensorInfo
+from lightning_fsdp.hf.init_rules import pretrained_model_class
 
 Read = Callable[[str], torch.Tensor]  # file key → the whole tensor
 
@@ -78,8 +78,7 @@ class Conversion:
 
 def hf_model_in(module: nn.Module) -> Optional[nn.Module]:
     """The outermost ``transformers.PreTrainedModel`` inside ``module`` (``None`` without transformers)."""
-    modeling = sys.modules.get("transformers.modeling_utils")
-    pretrained = getattr(modeling, "PreTrainedModel", None)
+    pretrained = pretrained_model_class()
     if pretrained is None:
         return None
     return next((m for m in module.modules() if isinstance(m, pretrained)), None)

@@ -9,12 +9,12 @@ and no copy of the pretrained directory is needed (``--hf-config`` can still sup
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any, Optional
 
 from torch import nn
 
 from lightning_fsdp.checkpoint.state import HF_ENTRY  # the top-level checkpoint entry holding the description
+from lightning_fsdp.hf.init_rules import pretrained_model_class
 
 
 def _plain(value: Any) -> Any:
@@ -24,8 +24,7 @@ def _plain(value: Any) -> Any:
 
 def describe_hf_model(module: nn.Module) -> Optional[dict[str, Any]]:
     """The description of the outermost ``transformers.PreTrainedModel`` in ``module`` (``None`` if there is none)."""
-    modeling = sys.modules.get("transformers.modeling_utils")
-    pretrained = getattr(modeling, "PreTrainedModel", None)
+    pretrained = pretrained_model_class()
     if pretrained is None:
         return None
     found = next(((n, m) for n, m in module.named_modules() if isinstance(m, pretrained)), None)

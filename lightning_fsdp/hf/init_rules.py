@@ -28,7 +28,8 @@ def _peft_lora_layer_class() -> Optional[type]:
     return getattr(module, "LoraLayer", None) if module is not None else None
 
 
-def _pretrained_model_class() -> Optional[type]:
+def pretrained_model_class() -> Optional[type]:
+    """``transformers.PreTrainedModel`` if transformers is imported already (never imports it)."""
     module = sys.modules.get("transformers.modeling_utils")
     return getattr(module, "PreTrainedModel", None) if module is not None else None
 
@@ -93,7 +94,7 @@ def peft_adapter_rule(model: nn.Module, name: str, module: nn.Module) -> Optiona
 
 def hf_init_weights_rule(model: nn.Module, name: str, module: nn.Module) -> Optional[tuple[object, Callable[[], None]]]:
     """The nearest enclosing ``PreTrainedModel``'s ``_init_weights(module)``."""
-    pretrained = _pretrained_model_class()
+    pretrained = pretrained_model_class()
     if pretrained is None:
         return None
     parts = name.split(".") if name else []
