@@ -20,6 +20,8 @@ from typing_extensions import override
 from lightning_fsdp._torch_compat import unwrap_optimizer
 from lightning_fsdp.formatting import format_bytes
 from lightning_fsdp.parallel.mesh import local_shard
+from lightning_fsdp.sharding import nf4
+from lightning_fsdp.sharding.quantize import shard_bytes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -42,7 +44,10 @@ class StateBytes:
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes this rank stores for ``t`` (the local shard of a DTensor)."""
+    """Bytes this rank stores for ``t`` (the local shard of a DTensor; a quantized weight's stored fields)."""
+    quantized = shard_bytes(t)
+    if quantized is not None:
+        return quantized
     local = local_shard(t)
     return local.numel() * local.element_size()
 
@@ -72,14 +77,21 @@ def local_state_bytes(model: nn.Module, optimizers: Iterable[torch.optim.Optimiz
     return _state_bytes(model, optimizers, tensor_bytes)
 
 
+def unsharded_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` if it were unsharded (its global shape; a quantized weight at its quantized size)."""
+    if shard_bytes(t) is not None:
+        return int(t.numel() * nf4.bytes_per_element())
+    return t.numel() * t.element_size()
+
+
 def full_param_bytes(model: nn.Module) -> int:
     """Bytes of all parameters if they were unsharded (the global shape of each DTensor)."""
-    return sum(p.numel() * p.element_size() for p in _unique(model.parameters()))
+    return sum(unsharded_bytes(p) for p in _unique(model.parameters()))
 
 
 def global_state_bytes(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> StateBytes:
     """Bytes of the same state if nothing were sharded (global shapes): what one rank of DDP would hold."""
-    return _state_bytes(model, optimizers, lambda t: t.numel() * t.element_size())
+    return _state_bytes(model, optimizers, unsharded_bytes)
 
 
 # -- peak memory ---------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """From the user's module to a sharded, initialised model on this rank: the one order every step happens in.
 
-activation checkpointing → ``fully_shard`` units bottom-up and the root → allocate and initialise each rank's shards
-(meta-device models: by the library's own initialisers, skipping what the pretrained files will overwrite) →
-pretrained weights straight into the shards.
+activation checkpointing → the frozen base quantized (``quantize_base``) → ``fully_shard`` units bottom-up and the
+root → allocate and initialise each rank's shards (meta-device models: by the library's own initialisers, skipping
+what the pretrained files will overwrite) → pretrained weights straight into the shards (quantized as they load).
 
 Pretrained safetensors (a Hugging Face directory or one file) are read shard by shard on every rank
 (:mod:`lightning_fsdp.hf.load`); other files (``.ckpt``/``.pt``) are read by rank 0 and broadcast tensor by tensor.
@@ -23,6 +23,7 @@ from lightning_fsdp.checkpoint.base_weights import BaseReference
 from lightning_fsdp.hf.base import loaded_base
 from lightning_fsdp.hf.init_rules import LIBRARY_RULES
 from lightning_fsdp.sharding import DEFAULT_RULES, Sharded, ShardingPlan, materialize_meta_module, parallelize
+from lightning_fsdp.sharding.quantize import QuantizedBase
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -41,10 +42,12 @@ class Preparation:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What :func:`prepare_model` did: the FSDP units, and the pretrained base it loaded from safetensors."""
+    """What :func:`prepare_model` did: the FSDP units, the pretrained base it loaded from safetensors, and the
+    frozen weights it holds quantized."""
 
     units: list[str] = field(default_factory=list)
     base: Optional[BaseReference] = None
+    quantized: Optional[QuantizedBase] = None
 
 
 def prepare_model(model: nn.Module, mesh: DeviceMesh, preparation: Preparation) -> Prepared:
@@ -73,7 +76,7 @@ def prepare_model(model: nn.Module, mesh: DeviceMesh, preparation: Preparation) 
         from lightning_fsdp.checkpoint import load_pretrained
 
         load_pretrained(model, source, strict=preparation.strict)
-    return Prepared(units, base)
+    return Prepared(units, base, sharded.quantized)
 
 
 def _train_hf_models_without_cache(model: nn.Module, sharded: Sharded) -> None:

@@ -50,7 +50,14 @@ FSDP_CUSTOM_HYBRID = StrategySpec(
     {"replicate_size": "auto", "shard_size": "auto"},
 )
 
-STRATEGIES: tuple[StrategySpec, ...] = (FSDP_CUSTOM, FSDP_CUSTOM_OFFLOAD, FSDP_CUSTOM_HYBRID)
+FSDP_CUSTOM_QLORA = StrategySpec(
+    "fsdp_custom_qlora",
+    _TARGET,
+    "FSDP2 full sharding with the frozen base held in 4-bit NF4 (QLoRA, torchao), quantized as it loads.",
+    {"quantize_base": "nf4"},
+)
+
+STRATEGIES: tuple[StrategySpec, ...] = (FSDP_CUSTOM, FSDP_CUSTOM_OFFLOAD, FSDP_CUSTOM_HYBRID, FSDP_CUSTOM_QLORA)
 
 
 def register_strategies(registry: Any = None) -> list[str]:

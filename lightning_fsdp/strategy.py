@@ -41,6 +41,7 @@ from lightning_fsdp.preparation import Preparation, prepare_model
 from lightning_fsdp.resilience import Resilience, collective
 from lightning_fsdp.sharding import ShardingPlan, WrapPolicy, parameters_on_meta
 from lightning_fsdp.sharding.compile import CompileArg
+from lightning_fsdp.sharding.quantize import QuantizedBase
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -79,6 +80,9 @@ class FSDPCustomStrategy(MeshStrategy):
         compile: ``torch.compile`` each FSDP unit's block before sharding (``True``, or a dict of ``torch.compile``
             options such as ``{"fullgraph": True, "mode": "max-autotune"}``; ``"root": True`` compiles the root
             unit too). Parameter names, and so checkpoints, are unchanged.
+        quantize_base: ``"nf4"`` holds every frozen ``nn.Linear`` weight inside the FSDP units in 4-bit NormalFloat
+            (QLoRA, torchao): quantized as the pretrained weights load, sharded and all-gathered in 4 bits,
+            dequantized inside the matmul. Checkpoints leave the quantized base out and re-quantize it on resume.
         skip_nonfinite_steps: if any rank sees a NaN/inf loss or gradient norm, every rank skips that optimizer
             step; after ``max_nonfinite_steps`` consecutive skips training stops with an error.
         max_nonfinite_steps: see ``skip_nonfinite_steps``.
@@ -107,6 +111,7 @@ class FSDPCustomStrategy(MeshStrategy):
         pretrained_weights: Optional[compat.PATH] = None,
         pretrained_key_map: Optional[dict[str, str]] = None,
         compile: CompileArg = False,
+        quantize_base: Optional[str] = None,
         skip_nonfinite_steps: bool = False,
         max_nonfinite_steps: int = 10,
     ) -> None:
@@ -126,13 +131,15 @@ class FSDPCustomStrategy(MeshStrategy):
             precision_plugin=precision_plugin,
         )
         ShardingPlan(auto_wrap_policy, activation_checkpointing_policy, reshard_after_forward=reshard_after_forward,
-                     compile=compile)  # validates the sharding arguments now, before any process starts
-        check_state_dict_type(state_dict_type)
+                     compile=compile, quantize_base=quantize_base)  # validated now, before any process starts
+        check_state_dict_type(state_dict_type, quantize_base)
         self.auto_wrap_policy = auto_wrap_policy
         self.activation_checkpointing_policy = activation_checkpointing_policy
         self.cpu_offload = bool(cpu_offload)
         self.reshard_after_forward = reshard_after_forward
         self.compile = compile
+        self.quantize_base = quantize_base
+        self.quantized_base: Optional[QuantizedBase] = None  # what setup quantized
         self.state_dict_type: StateDictType = state_dict_type
         self.async_save = bool(async_save)
         self.pretrained_weights = pretrained_weights
@@ -201,13 +208,14 @@ class FSDPCustomStrategy(MeshStrategy):
             offload_policy=offload,
             reshard_after_forward=self.reshard_after_forward,
             compile=self.compile,
+            quantize_base=self.quantize_base,
         )
         device = torch.device("cpu") if self.cpu_offload else self.root_device
         strict = self.lightning_module.strict_loading
         preparation = Preparation(plan, device, self.pretrained_weights, strict, self.pretrained_key_map)
         prepared = prepare_model(model, self.device_mesh, preparation)
         if prepared.units:
-            self.wrapped_units, self.pretrained_base = prepared.units, prepared.base
+            self.wrapped_units, self.pretrained_base, self.quantized_base = prepared.units, prepared.base, prepared.quantized
         rank_zero_info(f"{type(self).__name__}: {len(self.wrapped_units)} FSDP units on mesh {self.mesh_shape}")
         return model
 
@@ -330,7 +338,8 @@ class FSDPCustomStrategy(MeshStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
         path = Path(self.broadcast(str(filepath)))  # one path for every rank
-        annotate_checkpoint(checkpoint, self.lightning_module, self.pretrained_base, self.state_dict_type == "sharded")
+        sharded = self.state_dict_type == "sharded"
+        annotate_checkpoint(checkpoint, self.lightning_module, self.pretrained_base, sharded, self.quantized_base)
         self.checkpointer.save(checkpoint, path, mesh_shape=self.mesh_shape, full=self.state_dict_type == "full")
 
     @override

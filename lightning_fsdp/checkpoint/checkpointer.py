@@ -47,9 +47,15 @@ class _PendingSave:
 STATE_DICT_TYPES = ("sharded", "full")
 
 
-def check_state_dict_type(state_dict_type: str) -> None:
+def check_state_dict_type(state_dict_type: str, quantize_base: Optional[str] = None) -> None:
     if state_dict_type not in STATE_DICT_TYPES:
         raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {state_dict_type!r}.")
+    if quantize_base is not None and state_dict_type == "full":
+        raise ValueError(
+            f"`quantize_base={quantize_base!r}` keeps the quantized base out of checkpoints, which needs"
+            " state_dict_type='sharded' (a full .ckpt stands alone). Use 'sharded', and export with"
+            " `lightning-fsdp consolidate`."
+        )
 
 
 def _options(full: bool) -> Any:

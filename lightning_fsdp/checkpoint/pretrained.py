@@ -11,7 +11,8 @@ or, by hand, after sharding and before the optimizers are built::
     load_pretrained(model, "weights.ckpt", strict=True)
 
 Tensors are broadcast one at a time (``set_model_state_dict(..., broadcast_from_rank0=True)``): a non-zero rank
-holds its shards plus one full tensor at a time, never the whole model.
+holds its shards plus one full tensor at a time, never the whole model. Quantized parameters (``quantize_base``)
+are broadcast the same way and each rank quantizes its rows (:func:`~lightning_fsdp.sharding.quantize.fill`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.safe_load import safe_torch_load
 from lightning_fsdp.checkpoint.sharded import agreed
 from lightning_fsdp.formatting import short_list
-from lightning_fsdp.parallel.collectives import broadcast_object, is_distributed, on_rank_zero, rank
+from lightning_fsdp.parallel.collectives import broadcast_object, collective_device, is_distributed, on_rank_zero, rank
+from lightning_fsdp.parallel.mesh import local_rows
+from lightning_fsdp.sharding.quantize import fill, is_quantized
 
 DtypeMismatch = Literal["warn", "error"]
 
@@ -126,10 +129,32 @@ def load_pretrained(
             f"Pretrained weights {path} are converted to the model's dtypes: {short_list(report.cast_keys)}.",
             stacklevel=2,
         )
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=is_distributed(), strict=strict)
+    quantized = [k for k, v in current.items() if is_quantized(v) and k not in report.missing_keys]
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=is_distributed(), strict=strict and not quantized)
 
     def load() -> None:
-        set_model_state_dict(model, holder.pop("weights", {}), options=options)
+        weights = holder.pop("weights", {})
+        quantized_weights = {k: weights.pop(k) for k in quantized if k in weights}
+        set_model_state_dict(model, weights, options=options)
+        holder["quantized"] = quantized_weights
 
     agreed(load, f"Loading pretrained weights {path}")
+    _load_quantized(current, quantized, holder.pop("quantized", {}))
     return report
+
+
+def _load_quantized(current: Mapping[str, torch.Tensor], keys: list[str], weights: dict[str, torch.Tensor]) -> None:
+    """Rank 0's full tensors of the quantized ``keys``, broadcast one at a time; every rank quantizes its rows."""
+    import torch.distributed as dist
+
+    for key in keys:
+        param = current[key]
+        full = weights.pop(key, None) if rank() == 0 else None
+        buffer = torch.empty(param.shape, dtype=torch.bfloat16, device=collective_device() if is_distributed() else "cpu")
+        if full is not None:
+            buffer.copy_(full)
+        if is_distributed():
+            dist.broadcast(buffer, src=0)
+        start, stop = local_rows(param)
+        with torch.no_grad():
+            fill(param, buffer[start:stop])

@@ -6,6 +6,10 @@ keys to the files' (:mod:`~lightning_fsdp.hf.keys`), checks names, shapes and dt
 into the sharded parameters (converting e.g. bf16 files into fp32 master weights, with one notice). Problems are
 agreed between the ranks, so every rank raises the same :class:`CheckpointError` before anything is changed.
 
+Quantized parameters (``quantize_base``) are read one at a time into a full-precision tensor holding this rank's rows
+only, and quantized from it (:func:`~lightning_fsdp.sharding.quantize.fill`): loading adds at most one tensor's
+rows per rank.
+
 Tied parameters (a head tied to the embedding: transformers writes the tensor once) are read once for every name
 they have. Checkpoints that transformers renames or fuses while loading are matched under the model's own keys, and
 fused tensors are built per rank from the source tensors of its rows (:mod:`~lightning_fsdp.hf.conversion`).
@@ -42,6 +46,7 @@ from lightning_fsdp.hf.keys import KeyLayout, detect_layout, is_adapter_key
 from lightning_fsdp.parallel.collectives import rank
 from lightning_fsdp.parallel.mesh import local_rows, local_shard
 from lightning_fsdp.sharding import tied_aliases
+from lightning_fsdp.sharding.quantize import fill, is_quantized, rows_like
 
 RESTORE_HINT = "The model may be partly loaded: do not train from this state; fix the weights and start again."
 
@@ -169,17 +174,28 @@ def load_safetensors(
         _notify(plan, strict)
     conversion = plan.conversion
     targets: dict[str, torch.Tensor] = {}
+    quantized: dict[str, torch.Tensor] = {}
     fused: list[tuple[torch.Tensor, FusedTensor]] = []
     for model_key, key in plan.file_key_of.items():
+        read_key = conversion.renamed[key] if conversion is not None and key not in conversion.fused else key
         if conversion is not None and key in conversion.fused:
             fused.append((model_sd[model_key], conversion.fused[key]))
+        elif is_quantized(model_sd[model_key]):
+            quantized[read_key] = model_sd[model_key]
         else:
-            targets[conversion.renamed[key] if conversion is not None else key] = model_sd[model_key]
+            targets[read_key] = model_sd[model_key]
     reader, planner = DirectoryReader(directory), DefaultLoadPlanner(allow_partial_load=True)
     read_into(targets, reader, planner, f"Reading pretrained weights {path}", RESTORE_HINT)
     if fused:
         agreed(lambda: _read_fused(fused, directory), f"Reading pretrained weights {path}", hint=RESTORE_HINT)
-    loaded = {k: model_sd[k] for k in plan.file_key_of}
+    for key, param in quantized.items():  # one tensor's rows at a time, quantized as they arrive
+        rows = rows_like(param)
+        read_into({key: rows}, reader, DefaultLoadPlanner(allow_partial_load=True), f"Reading pretrained weights {path}",
+                  RESTORE_HINT)
+        with torch.no_grad():
+            fill(param, local_shard(rows))
+        del rows
+    loaded = {k: model_sd[k] for k in plan.file_key_of if not is_quantized(model_sd[k])}
     agreed(
         lambda: set_model_state_dict(model, loaded, options=StateDictOptions(strict=False)),
         f"Loading pretrained weights {path}",

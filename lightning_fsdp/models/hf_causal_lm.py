@@ -61,6 +61,9 @@ class HFCausalLM(L.LightningModule):
             config = AutoConfig.from_pretrained(str(h.model_dir))
             model = AutoModelForCausalLM.from_config(config, dtype=torch.get_default_dtype())
         if h.lora:
+            from lightning_fsdp.sharding import nf4
+
+            nf4.import_quietly()  # PEFT imports torchao when it is installed; without its CPU-only log lines
             from peft import LoraConfig, get_peft_model
 
             with warnings.catch_warnings():  # PEFT reads a property transformers has deprecated

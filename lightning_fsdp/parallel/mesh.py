@@ -144,3 +144,24 @@ def local_rows(tensor: torch.Tensor) -> tuple[int, int]:
     if size != tensor.to_local().shape[0]:
         raise ValueError(f"Rows {start}..{start + size} do not match the local shard's {tensor.to_local().shape[0]} rows.")
     return start, start + size
+
+
+def gather_over_shards(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Every shard's ``local`` (equal sizes on every rank of the shard group), concatenated in shard order: for
+    per-row statistics, what the whole tensor's rows would give. ``like`` is the DTensor whose sharding says which
+    ranks form the group; replicas (HSDP) compute the same result independently."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(like, DTensor):
+        return local
+    shard_dims = [d for d, p in enumerate(like.placements) if isinstance(p, Shard)]
+    if len(shard_dims) > 1:
+        raise ValueError(f"Only one sharded mesh dimension is supported here; the tensor is sharded as {like.placements}.")
+    if not shard_dims or like.device_mesh.size(shard_dims[0]) == 1:
+        return local
+    group = like.device_mesh.get_group(shard_dims[0])
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts)

@@ -85,15 +85,16 @@ def modules_needing_init(model: nn.Module, loaded: Collection[str] = ()) -> list
 
 def plan_initialization(
     model: nn.Module, rules: Sequence[InitRule] = DEFAULT_RULES, loaded: Collection[str] = ()
-) -> list[Callable[[], None]]:
-    """The initialisers to run after allocation, one per claimed key; a ``TypeError`` naming unclaimed modules."""
-    inits: dict[object, Callable[[], None]] = {}
+) -> list[tuple[Callable[[], None], list[str]]]:
+    """The initialisers to run after allocation, one per claimed key, each with the names of the modules it
+    initialises; a ``TypeError`` naming unclaimed modules."""
+    inits: dict[object, tuple[Callable[[], None], list[str]]] = {}
     missing: list[str] = []
     for name, module in modules_needing_init(model, loaded):
         for rule in rules:
             claimed = rule(model, name, module)
             if claimed is not None:
-                inits.setdefault(claimed[0], claimed[1])
+                inits.setdefault(claimed[0], (claimed[1], []))[1].append(name)
                 break
         else:
             missing.append(type(module).__name__)
@@ -117,8 +118,12 @@ def materialize_meta_module(
     """Allocate a (sharded) meta-device model on ``device`` and initialise it shard by shard.
 
     ``to_empty`` allocates only each rank's local shards (and moves buffers); real buffers get their values back;
-    then each claimed module is initialised (on DTensors, so each rank initialises its own shard).
+    then each claimed module is initialised (on DTensors, so each rank initialises its own shard). A quantized
+    weight is initialised through a full-precision stand-in, then quantized (:func:`~lightning_fsdp.sharding
+    .quantize.standins`).
     """
+    from lightning_fsdp.sharding.quantize import standins
+
     if not has_meta_tensors(model):
         return
     inits = plan_initialization(model, rules, loaded)  # raises before anything is allocated
@@ -130,8 +135,9 @@ def materialize_meta_module(
         for name, value in real_buffers.items():
             model.get_buffer(name).copy_(value)
         with _distinct_shard_rng(mesh):
-            for init in inits:
-                init()
+            for init, modules in inits:
+                with standins(model, modules, loaded):
+                    init()
 
 
 def _retie(model: nn.Module, ties: dict[str, str]) -> None:

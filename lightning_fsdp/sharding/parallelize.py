@@ -1,5 +1,5 @@
-"""Apply a sharding plan to a model in the one order that works: activation checkpointing → ``torch.compile``
-each unit → ``fully_shard`` each unit bottom-up → the root.
+"""Apply a sharding plan to a model in the one order that works: activation checkpointing → the frozen base
+quantized (``quantize_base``) → ``torch.compile`` each unit → ``fully_shard`` each unit bottom-up → the root.
 
 Every function takes ``(model, mesh, options)`` and returns what it did, so it is usable and testable without a
 Trainer.
@@ -15,6 +15,7 @@ from torch import nn
 from lightning_fsdp._torch_compat import composable_checkpoint
 from lightning_fsdp.sharding.compile import CompileArg, compile_options, compile_units
 from lightning_fsdp.sharding.policy import WrapPolicy, validate_policy
+from lightning_fsdp.sharding.quantize import QuantizedBase, check_method, device_of, quantize_units
 from lightning_fsdp.sharding.units import select_units
 
 if TYPE_CHECKING:
@@ -32,9 +33,11 @@ class ShardingPlan:
     offload_policy: Optional[OffloadPolicy] = None
     reshard_after_forward: Union[bool, int] = True
     compile: CompileArg = False
+    quantize_base: Optional[str] = None
 
     def __post_init__(self) -> None:
         compile_options(self.compile)  # validates
+        check_method(self.quantize_base)
         validate_policy(self.wrap_policy, "auto_wrap_policy")
         validate_policy(self.activation_checkpointing, "activation_checkpointing_policy")
         if not isinstance(self.reshard_after_forward, (bool, int)):
@@ -64,49 +67,57 @@ def shard_model(
     offload_policy: Optional[OffloadPolicy] = None,
     reshard_after_forward: Union[bool, int] = True,
     compile: CompileArg = False,
-) -> list[str]:
-    """``fully_shard`` each selected unit bottom-up, then the root (each unit compiled first, with ``compile``).
-    Returns the unit names (root is ``""``).
+    quantize_base: Optional[str] = None,
+) -> tuple[list[str], Optional[QuantizedBase]]:
+    """``fully_shard`` each selected unit bottom-up, then the root (each unit compiled first, with ``compile``; the
+    frozen linear weights inside units quantized first, with ``quantize_base``). Returns the unit names (root is
+    ``""``) and what was quantized.
 
     Idempotent: a model whose root is already an ``FSDPModule`` is left untouched.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if isinstance(model, FSDPModule):
-        return []
+        return [], None
     kwargs: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "offload_policy": offload_policy or OffloadPolicy(),
     }
     names = select_units(model, policy)
+    quantized = quantize_units(model, names, mesh, quantize_base, device_of(mesh)) if quantize_base else None
+    if quantized is not None and mesh.size(mesh.ndim - 1) == 1:
+        # one rank per shard holds each quantized weight whole: FSDP2 gathers a one-rank group by copying a single
+        # tensor, which a quantized weight (several) is not, so FSDP leaves them alone and they compute as they are
+        kwargs["ignored_params"] = {model.get_parameter(name) for name in quantized.names} or None
     compile_units(model, [*names, ""], compile)
     modules = dict(model.named_modules())
     for name in names:
         fully_shard(modules[name], reshard_after_forward=reshard_after_forward, **kwargs)
     # the root's parameters are needed again right at the start of backward: keep them gathered
     fully_shard(model, reshard_after_forward=False, **kwargs)
-    return names + [""]
+    return names + [""], quantized
 
 
 @dataclass(frozen=True)
 class Sharded:
     """What :func:`parallelize` did: the FSDP units (the root is ``""``), the modules that recompute activations,
-    and the units whose forward is compiled."""
+    the units whose forward is compiled, and the frozen weights held quantized."""
 
     units: list[str]
     checkpointed: list[str]
     compiled: list[str]
+    quantized: Optional[QuantizedBase] = None
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> Sharded:
-    """Activation checkpointing, then FSDP units bottom-up and the root."""
+    """Activation checkpointing, the frozen base quantized, then FSDP units bottom-up and the root."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
         return Sharded([], [], [])
     checkpointed = apply_activation_checkpointing(model, plan.activation_checkpointing)
-    units = shard_model(
+    units, quantized = shard_model(
         model,
         mesh,
         plan.wrap_policy,
@@ -114,7 +125,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> Shard
         offload_policy=plan.offload_policy,
         reshard_after_forward=plan.reshard_after_forward,
         compile=plan.compile,
+        quantize_base=plan.quantize_base,
     )
     options = compile_options(plan.compile)
     compiled = [] if options is None else [u for u in units if u or options.get("root")]
-    return Sharded(units, checkpointed, compiled)
+    return Sharded(units, checkpointed, compiled, quantized)
