@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.formatting import short_list
+from lightning_fsdp.sharding.quantize import QuantizedBase
 
 #: the top-level checkpoint entry holding the reference (plain data, in ``meta.pt``)
 PRETRAINED_ENTRY = "lightning_fsdp_pretrained"
@@ -70,3 +72,56 @@ def require_resolver(reference: BaseReference, resolver: Optional[BaseResolver],
             " or consolidate it with `lightning-fsdp consolidate`, which reads the base too."
         )
     return resolver
+
+
+# -- a quantized base (QLoRA) -------------------------------------------------------------------------------------------
+#: the top-level checkpoint entry recording which weights the run held quantized, and how (plain data, in ``meta.pt``)
+QUANTIZED_ENTRY = "lightning_fsdp_quantized_base"
+
+
+def leave_out_quantized(checkpoint: dict[str, Any], quantized: QuantizedBase) -> None:
+    """Before a save: quantized weights never go into a checkpoint (they are re-quantized from the base files, or
+    from the model as built, on resume); record which they were and how they were quantized."""
+    names = set(quantized.names)
+    state = checkpoint.get("state_dict", {})
+    checkpoint["state_dict"] = {k: v for k, v in state.items() if k not in names}
+    checkpoint[QUANTIZED_ENTRY] = quantized.to_dict()
+
+
+def pop_quantized(meta: dict[str, Any], where: Path) -> Optional[QuantizedBase]:
+    data = meta.pop(QUANTIZED_ENTRY, None)
+    if data is None:
+        return None
+    try:
+        return QuantizedBase.from_dict(data)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{where}: its record of the quantized base is malformed ({err}).") from None
+
+
+def check_quantization(where: Path, saved: Optional[QuantizedBase], current: Collection[str]) -> None:
+    """The base must be held as it was in training: the same weights quantized the same way (``current``: the
+    model's quantized parameter names). Adapters trained on one base would otherwise continue on another."""
+    current = set(current)
+    if saved is None and current:
+        raise CheckpointError(
+            f"{where} was trained on a base held in full precision, but this run quantizes {len(current)} base weights"
+            " (`quantize_base`). Resume it without `quantize_base`, or start the quantized run from the pretrained"
+            " weights instead of this checkpoint."
+        )
+    if saved is None:
+        return
+    fix = f"Resume with `quantize_base={saved.method!r}`"
+    if not current:
+        raise CheckpointError(
+            f"{where} was trained on a base quantized with {saved.method!r} ({len(saved.names)} weights), but this run"
+            f" holds the base in full precision. {fix}."
+        )
+    if set(saved.names) != current:
+        differ = sorted(set(saved.names) ^ current)
+        raise CheckpointError(
+            f"{where} was trained with other base weights quantized than this run holds quantized: {short_list(differ)}"
+            f" differ (a weight stays unquantized when its shards would split a block of"
+            f" {saved.settings.get('block_size', 64) * saved.settings.get('scaler_block_size', 256)} elements, which"
+            f" depends on the number of shards). {fix} on a world size whose shards hold whole blocks for the same"
+            " weights."
+        )

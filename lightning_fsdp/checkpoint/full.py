@@ -85,6 +85,14 @@ def load(
         set_optimizer_state_dict,
     )
 
+    from lightning_fsdp.sharding.quantize import quantized_names
+
+    if quantized_names(model):
+        raise CheckpointError(
+            f"{path} is a full checkpoint, which holds the base in full precision; this run holds it quantized"
+            " (`quantize_base`). Resume from a sharded checkpoint of the quantized run, or start from the weights with"
+            " `pretrained_weights=`."
+        )
     current = describe({k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)})
     group_names = [param_group_names(model, opt) for opt in optimizers]
     holder: dict[str, Any] = {}

@@ -17,7 +17,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_fsdp.checkpoint.base_weights import BaseResolver, pop_reference, require_resolver
+from lightning_fsdp.checkpoint.base_weights import (
+    BaseResolver,
+    check_quantization,
+    pop_quantized,
+    pop_reference,
+    require_resolver,
+)
 from lightning_fsdp.checkpoint.compatibility import check_count, check_entry_fits, check_fits, describe
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.manifest import (
@@ -141,8 +147,12 @@ def load(
         )
 
     def prepare() -> tuple[Any, ...]:
+        from lightning_fsdp.sharding.quantize import quantized_names
+
         metadata, meta, saved_paths = read_state_files(path, manifest)
         reference = pop_reference(meta, path)
+        quantized = pop_quantized(meta, path)
+        check_quantization(path, quantized, quantized_names(model))
         has_optim = bool(optimizers) and meta.get("optimizer_states") is not None
         model_sd = get_model_state_dict(model)
         optim_sds = [get_optimizer_state_dict(model, opt) for opt in optimizers] if has_optim else []
@@ -152,9 +162,10 @@ def load(
         for i, osd in enumerate(optim_sds):
             targets.update(extract_tensors(osd["state"], ("optimizer_states", i, "state"))[1])
         targets.update(model_like_targets(saved_paths, model_sd, model_entries))
-        referenced = reference.keys if reference is not None else ()
+        # not in the checkpoint: the base weights it refers to, and weights quantized from the model as built
+        referenced = tuple(dict.fromkeys([*(reference.keys if reference else ()), *(quantized.names if quantized else ())]))
         check_compatible(path, meta, optimizers, targets, saved_paths, metadata, strict, referenced, model_entries)
-        return meta, saved_paths, reference, model_sd, optim_sds, targets
+        return meta, saved_paths, referenced, reference, model_sd, optim_sds, targets
 
     with ThreadPoolExecutor(1, thread_name_prefix="lightning_fsdp-verify") as pool:
         shards = pool.submit(_checked, path, manifest, shard_share(manifest), checksums)
@@ -167,7 +178,7 @@ def load(
                 prepared = err
         problems += shards.result()
     raise_if_damaged(path, problems)
-    meta, saved_paths, reference, model_sd, optim_sds, targets = agreed(
+    meta, saved_paths, referenced, reference, model_sd, optim_sds, targets = agreed(
         lambda: _result(prepared), f"Loading checkpoint {path}"
     )
     if reference is not None:
@@ -175,14 +186,14 @@ def load(
     key_of = {p: k for k, p in saved_paths.items()}
     if reference is not None and resolve_base is not None:
         resolve_base(reference)  # the frozen base first: it is not in this checkpoint
-        model_sd = {k: v for k, v in model_sd.items() if k not in set(reference.keys)}
+    model_sd = {k: v for k, v in model_sd.items() if k not in set(referenced)}
     to_load = {key_of[p]: t for p, t in targets.items() if p in key_of}
     reader, planner = SafeFileSystemReader(path), SafeLoadPlanner(allow_partial_load=True)
     read_into(to_load, reader, planner, f"Reading the shards of checkpoint {path}", RESTORE_HINT)
 
     def apply() -> None:
         # keys were checked above; the base's keys are not in `model_sd` (restored by `resolve_base`)
-        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict and reference is None))
+        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict and not referenced))
         for i, (opt, osd) in enumerate(zip(optimizers, optim_sds)):
             saved = meta["optimizer_states"][i]
             loaded = {p[3:]: t for p, t in targets.items() if p[:3] == ("optimizer_states", i, "state")}

@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from lightning_fsdp.checkpoint.base_weights import PRETRAINED_ENTRY
+from lightning_fsdp.checkpoint.base_weights import PRETRAINED_ENTRY, QUANTIZED_ENTRY
 from lightning_fsdp.checkpoint.checksums import HASH_ALGORITHM
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME, META_NAME, Manifest, read_manifest
@@ -55,6 +55,7 @@ def _not_optimized(shapes: Mapping[TensorPath, Any]) -> Optional[list[str]]:
 def _lightning_state(meta: Mapping[str, Any]) -> dict[str, Any]:
     reference = meta.get(PRETRAINED_ENTRY)
     hf = meta.get(HF_ENTRY)
+    quantized = meta.get(QUANTIZED_ENTRY)
     return {
         "epoch": meta.get("epoch"),
         "global_step": meta.get("global_step"),
@@ -63,6 +64,11 @@ def _lightning_state(meta: Mapping[str, Any]) -> dict[str, Any]:
         "hyper_parameters": sorted(str(k) for k in (meta.get("hyper_parameters") or {})),
         "referenced_base": None if not reference else {
             "path": reference["identity"].get("path"), "frozen_keys": len(reference.get("keys", [])),
+        },
+        "quantized_base": None if not quantized else {
+            "method": quantized.get("method"), "weights": len(quantized.get("keys", [])),
+            "from_model": len(quantized.get("from_model", [])), "unquantized": list(quantized.get("unquantized", [])),
+            "block_size": quantized.get("block_size"), "scaler_block_size": quantized.get("scaler_block_size"),
         },
         "hf_model": None if not hf else {
             "class": hf.get("class"), "prefix": hf.get("prefix"), "adapters": sorted(hf.get("adapters") or {}),
@@ -159,6 +165,13 @@ def format_description(d: Mapping[str, Any]) -> str:
     if d.get("referenced_base"):
         base = d["referenced_base"]
         lines.append(f"  frozen base not stored: {base['frozen_keys']} tensors from {base['path']}")
+    if d.get("quantized_base"):
+        q = d["quantized_base"]
+        kept = f"; left unquantized: {', '.join(q['unquantized'])}" if q["unquantized"] else ""
+        lines.append(
+            f"  base held quantized in training ({q['method']}, blocks of {q['block_size']}, scaler blocks of"
+            f" {q['scaler_block_size']}): {q['weights']} weights, not stored, re-quantized on resume{kept}"
+        )
     if d.get("hf_model"):
         hf = d["hf_model"]
         adapters = f", PEFT adapters {hf['adapters']}" if hf["adapters"] else ""

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--base", metavar="DIR", help="a LoRA checkpoint's pretrained base directory, if it moved")
     parser.add_argument("--dtype", help="hf: store the weights in this dtype (e.g. bf16); default: as trained")
     parser.add_argument("--max-shard-size", default="5GB", help="hf: largest safetensors shard (default: 5GB)")
+    parser.add_argument("--merge-into", choices=("original", "quantized"), default="original",
+                        help="hf, QLoRA checkpoints: merge the adapters into the original base files (default, what"
+                        " is served) or into the base as training saw it (quantized to NF4 and back)")
     parser.add_argument("--weights", choices=WEIGHTS, default="model",
                         help="model: the trained weights (default); ema: ShardedEMA's average")
     parser.add_argument("--no-progress", action="store_true", help="do not print progress to stderr")
@@ -48,7 +51,7 @@ def consolidate(args: argparse.Namespace) -> Path:
             return export_peft(args.src, args.dst, weights=args.weights)
         return export_hf(
             args.src, args.dst, hf_config=args.hf_config, base=args.base, dtype=args.dtype,
-            max_shard_size=args.max_shard_size, weights=args.weights,
+            max_shard_size=args.max_shard_size, weights=args.weights, merge_into=args.merge_into,
         )
     from lightning_fsdp.hf.export import base_entries
 

@@ -8,7 +8,9 @@ own ``merge`` (DoRA and ``fan_in_fan_out`` included), so memory stays near one o
 writes the adapter alone through ``PeftModel.save_pretrained`` (``PeftModel.from_pretrained`` loads it).
 
 The base weights of a LoRA checkpoint come from the pretrained directory it recorded (checked against its identity
-first) or from ``--base DIR``. The model's skeleton is rebuilt on the meta device from the checkpoint's own
+first) or from ``--base DIR``. A QLoRA checkpoint (``quantize_base``) is merged into that original full-precision
+base by default — what is served — or, with ``merge_into="quantized"``, into the base as training saw it: each
+quantized weight quantized and dequantized again before the merge. The model's skeleton is rebuilt on the meta device from the checkpoint's own
 description of the HF model (:mod:`lightning_fsdp.hf.info`).
 """
 
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 from lightning_fsdp.checkpoint import commit as commit_ops
-from lightning_fsdp.checkpoint.base_weights import BaseReference, pop_reference
+from lightning_fsdp.checkpoint.base_weights import BaseReference, pop_quantized, pop_reference
 from lightning_fsdp.checkpoint.consolidate import Entry
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.manifest import read_manifest, verify_files
@@ -42,6 +44,8 @@ from lightning_fsdp.precision import parse_dtype
 from lightning_fsdp.sharding import tied_aliases
 
 Source = Callable[[], torch.Tensor]
+#: what a QLoRA checkpoint's adapters are merged into: the original base files, or the base as training saw it
+MERGE_TARGETS = ("original", "quantized")
 
 
 class CheckpointTensors:
@@ -55,6 +59,7 @@ class CheckpointTensors:
         verify: bool = True,
         with_base: bool = True,
         weights: str = "model",
+        merge_into: str = "original",
     ) -> None:
         manifest = read_manifest(src)
         if verify:
@@ -71,9 +76,30 @@ class CheckpointTensors:
             self.sources[name] = lambda key=key: self.reader.read(key)
             self.shapes[name] = (md.properties.dtype, tuple(md.size))
         reference = pop_reference(meta, src)
+        quantized = pop_quantized(meta, src)
         self.base_root: Optional[Path] = None
+        if merge_into not in MERGE_TARGETS:
+            raise ValueError(f"merge_into must be one of {MERGE_TARGETS}, got {merge_into!r}.")
+        if merge_into == "quantized" and quantized is None:
+            raise CheckpointError(f"{src} was not trained on a quantized base; --merge-into quantized does not apply.")
         if reference is not None and with_base:
             self._add_base(reference, base_dir)
+        if quantized is not None and with_base:
+            self._check_quantized_base(quantized.names, quantized.from_model, merge_into == "quantized")
+
+    def _check_quantized_base(self, names: tuple[str, ...], from_model: tuple[str, ...], roundtrip: bool) -> None:
+        """The quantized weights come from the base files; with ``roundtrip`` each is read as training saw it."""
+        if from_model:
+            raise CheckpointError(
+                f"{self.src}: its quantized base was quantized from the model as it was built, not read from"
+                f" pretrained files, so it cannot be rebuilt here ({short_list(list(from_model))}). Train with"
+                " `pretrained_weights=` to export, or export the weights from the run."
+            )
+        if roundtrip:
+            from lightning_fsdp.sharding import nf4
+
+            for key in names:
+                self.sources[key] = lambda read=self.sources[key]: nf4.roundtrip(read())
 
     def _add_base(self, reference: BaseReference, base_dir: Optional[Union[str, Path]]) -> None:
         root = Path(base_dir) if base_dir is not None else Path(reference.path)
@@ -143,6 +169,9 @@ def build_skeleton(info: dict[str, Any], with_adapters: bool) -> nn.Module:
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")  # inside PEFT
         model = cls(config)
         if with_adapters and info.get("adapters"):
+            from lightning_fsdp.sharding import nf4
+
+            nf4.import_quietly()  # PEFT imports torchao when it is installed; without its CPU-only log lines
             from peft import PeftConfig, get_peft_model
 
             adapters = dict(info["adapters"])
@@ -198,13 +227,15 @@ def export_hf(
     merge: bool = True,
     verify: bool = True,
     weights: str = "model",
+    merge_into: str = "original",
 ) -> Path:
     """Write the HF model directory ``dst`` from the sharded checkpoint ``src`` (see the module docstring);
-    ``weights="ema"``: ``ShardedEMA``'s average instead of the trained weights."""
+    ``weights="ema"``: ``ShardedEMA``'s average instead of the trained weights; ``merge_into="quantized"``: a QLoRA
+    checkpoint's adapters merged into the dequantized NF4 base instead of the original one."""
     src, dst = Path(src), Path(dst)
     limit = parse_bytes(max_shard_size)
     out_dtype = parse_dtype(dtype, "--dtype") if dtype else None
-    tensors = CheckpointTensors(src, base, verify, weights=weights)
+    tensors = CheckpointTensors(src, base, verify, weights=weights, merge_into=merge_into)
     try:
         info = tensors.require_info(Path(hf_config) if hf_config else None)
         layout = KeyLayout(prefix=info["prefix"])

@@ -47,9 +47,16 @@ def describe_hf_model(module: nn.Module) -> Optional[dict[str, Any]]:
     }
 
 
-def annotate_checkpoint(checkpoint: dict[str, Any], module: Optional[nn.Module], base: Any, sharded: bool) -> None:
+def annotate_checkpoint(
+    checkpoint: dict[str, Any], module: Optional[nn.Module], base: Any, sharded: bool, quantized: Any = None
+) -> None:
     """Before a save: describe the HF model (for export), and for a sharded save leave out the frozen base weights
-    ``base`` (a :class:`~lightning_fsdp.checkpoint.base_weights.BaseReference`) supplied, recording where they come from."""
+    ``base`` (a :class:`~lightning_fsdp.checkpoint.base_weights.BaseReference`) supplied, recording where they come
+    from, and the weights held ``quantized`` (a :class:`~lightning_fsdp.sharding.quantize.QuantizedBase`)."""
+    if quantized is not None:
+        from lightning_fsdp.checkpoint.base_weights import leave_out_quantized
+
+        leave_out_quantized(checkpoint, quantized)
     if module is None:
         return
     description = describe_hf_model(module)
