@@ -54,6 +54,12 @@ def verdict(
                 f"cpu_offload=True: the device keeps {format_bytes(off.device)}; params, grads and optimizer state"
                 f" ({format_bytes(off.host)}) move to host memory (slower steps)"
             )
+    if options.quantize_base is None and any(p.linear and not p.trainable for u in spec.blocks for p in u.params):
+        quantized = estimate(spec, replace(options, quantize_base="nf4"))
+        if quantized.device <= usable:
+            advice.append(
+                f"quantize_base='nf4' (QLoRA): the frozen base in 4 bits; the device keeps {format_bytes(quantized.device)}"
+            )
     if spec.has_activation_model and not options.activation_checkpointing:
         ac = estimate(spec, replace(options, activation_checkpointing=True))
         if ac.device <= usable:

@@ -28,7 +28,8 @@ def format_estimate(spec: ModelSpec, est: Estimate, v: Optional[Verdict] = None)
         + f" in {len(spec.units)} units"
         f" (largest block {format_count(max((u.numel for u in spec.blocks), default=0))}, root {format_count(spec.root.numel)})",
         f"strategy {o.strategy}, world {o.world_size} (mesh replicate × shard = {mesh}), precision {o.precision},"
-        f" optimizer {o.optimizer}, cpu_offload={o.cpu_offload}, activation checkpointing={o.activation_checkpointing}",
+        f" optimizer {o.optimizer}, cpu_offload={o.cpu_offload}, activation checkpointing={o.activation_checkpointing}"
+        + (f", frozen base held in {o.quantize_base}" if o.quantize_base else ""),
         "",
         "| per rank (rank 0, the largest shard) | bytes | |",
         "|---|---:|---|",
@@ -39,6 +40,8 @@ def format_estimate(spec: ModelSpec, est: Estimate, v: Optional[Verdict] = None)
         f"| gathered params (root + unit + prefetch) | {format_bytes(est.gathered)} | |",
         f"| unsharded grads before reduce-scatter | {format_bytes(est.unsharded_grads)} | |",
     ]
+    if est.dequantized:
+        lines.append(f"| one quantized weight dequantized for its matmul | {format_bytes(est.dequantized)} | |")
     if est.comm_buffers:
         lines.append(f"| DDP gradient buckets | {format_bytes(est.comm_buffers)} | |")
     act_note = "" if spec.has_activation_model else "unknown for this architecture: not included"
@@ -82,6 +85,7 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     run.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp", "single"])
     run.add_argument("--cpu-offload", action="store_true")
+    run.add_argument("--quantize-base", choices=["nf4"], help="QLoRA: the frozen linear weights of the blocks in NF4")
     run.add_argument("--batch-size", type=int, default=1, help="per rank")
     run.add_argument("--activation-checkpointing", action="store_true")
     run.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
@@ -134,7 +138,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             world_size=args.world_size, replicate=args.replicate, precision=normalize_precision(args.precision),
             optimizer=args.optimizer, cpu_offload=args.cpu_offload, strategy=args.strategy,
             batch_size=args.batch_size, seq_len=args.seq, activation_checkpointing=args.activation_checkpointing,
-            attention=args.attention,
+            attention=args.attention, quantize_base=args.quantize_base,
         )
         est = estimate(spec, options)
         v = verdict(spec, options, parse_bytes(args.device_memory), headroom=args.headroom) if args.device_memory else None

@@ -1,6 +1,9 @@
 """The plan: each rank's bytes of sharded state, gathered units, unsharded gradients and activations.
 
 Byte sizes per precision come from the package's one precision table (:data:`lightning_fsdp.precision.PRECISIONS`).
+With ``quantize_base="nf4"`` the frozen linear weights inside blocks are stored, gathered and offloaded in NF4
+(:func:`lightning_fsdp.sharding.nf4.bytes_per_element`), and the one weight being dequantized for its matmul adds
+:data:`DEQUANTIZE_BYTES_PER_ELEMENT` per element while it computes.
 """
 
 from __future__ import annotations
@@ -10,8 +13,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from lightning_fsdp.planner.geometry import GPTDims, ModelSpec
+from lightning_fsdp.planner.geometry import GPTDims, ModelSpec, Param
 from lightning_fsdp.precision import PRECISIONS, normalize_precision
+from lightning_fsdp.sharding import nf4
+from lightning_fsdp.sharding.quantize import METHODS as QUANTIZE_METHODS
 
 #: precision → (bytes of the stored params/grads/optimizer state, bytes of compute (gathered params, activations))
 PRECISION_BYTES: dict[str, tuple[int, int]] = {
@@ -20,6 +25,12 @@ PRECISION_BYTES: dict[str, tuple[int, int]] = {
 
 #: tensors of optimizer state per parameter (each the size of the parameter shard, in its stored dtype)
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_nomomentum": 0, "none": 0}
+
+#: peak bytes per element while torchao 0.18 dequantizes one NF4 weight for its matmul (4-bit codes widened to int64,
+#: the bf16 levels, scaled halves and the interleaved result): 16.6 measured for bf16 compute, 17.1 for fp32
+DEQUANTIZE_BYTES_PER_ELEMENT = 17
+#: what one quantized tensor stores besides its elements: the scaler mean (bf16) and the 16 levels (bf16)
+NF4_TENSOR_OVERHEAD = 2 + 16 * 2
 
 
 # -- sharding arithmetic --------------------------------------------------------------------------------------------
@@ -66,8 +77,11 @@ class PlanOptions:
     activation_checkpointing: bool = False
     prefetch: int = 1
     attention: str = "sdpa"
+    quantize_base: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.quantize_base is not None and self.quantize_base not in QUANTIZE_METHODS:
+            raise ValueError(f"quantize_base={self.quantize_base!r}: choose one of {sorted(QUANTIZE_METHODS)} or None.")
         if self.world_size < 1 or self.replicate < 1 or self.world_size % self.replicate:
             raise ValueError(
                 f"replicate={self.replicate} must divide world_size={self.world_size} (replicate × shard = world size)."
@@ -105,6 +119,7 @@ class Estimate:
     shard: int
     options: PlanOptions = field(compare=False)
     model_numel: int = 0
+    dequantized: int = 0
 
     @property
     def state(self) -> int:
@@ -120,7 +135,8 @@ class Estimate:
     def device(self) -> int:
         """Peak bytes on the accelerator (or in process memory on CPU, where ``host`` is added)."""
         resident = 0 if self.options.cpu_offload else self.state
-        return resident + self.gathered + self.unsharded_grads + self.comm_buffers + self.activations
+        transient = self.gathered + self.dequantized + self.unsharded_grads + self.comm_buffers + self.activations
+        return resident + transient
 
     @property
     def peak(self) -> int:
@@ -134,6 +150,26 @@ class Estimate:
         return out
 
 
+def quantized_params(spec: ModelSpec, options: PlanOptions) -> set[str]:
+    """The parameters ``quantize_base`` holds quantized: frozen linear weights inside blocks whose shards hold
+    whole scaler blocks (:func:`lightning_fsdp.sharding.nf4.shard_fits`), as the strategy chooses them."""
+    if options.quantize_base is None or options.strategy != "fsdp":
+        return set()
+    return {
+        p.name for u in spec.blocks for p in u.params
+        if p.linear and not p.trainable and nf4.shard_fits(p.shape, options.shard)
+    }
+
+
+def _quantized_bytes(numel: int) -> int:
+    return int(numel * nf4.bytes_per_element()) + NF4_TENSOR_OVERHEAD
+
+
+def _gathered_bytes(params: Sequence[Param], quantized: set[str], compute: int) -> int:
+    """A unit's parameters while it computes: quantized weights gathered in NF4, the rest in the compute dtype."""
+    return sum(_quantized_bytes(p.numel) if p.name in quantized else p.numel * compute for p in params)
+
+
 def state_bytes(spec: ModelSpec, options: PlanOptions, rank: int = 0) -> tuple[int, int, int]:
     """Local (params, grads, optimizer) bytes on ``rank`` of its shard group: ``torch.chunk`` rows, no padding.
 
@@ -141,9 +177,10 @@ def state_bytes(spec: ModelSpec, options: PlanOptions, rank: int = 0) -> tuple[i
     """
     stored, _ = PRECISION_BYTES[normalize_precision(options.precision)]
     shard = options.shard
+    quantized = quantized_params(spec, options)
     numel = [sharded_numel(p.shape, shard, rank) for p in spec.params]
     trainable = sum(n for n, p in zip(numel, spec.params) if p.trainable)
-    params = sum(numel) * stored
+    params = sum(_quantized_bytes(n) if p.name in quantized else n * stored for n, p in zip(numel, spec.params))
     grads = trainable * stored
     optimizer = OPTIMIZER_STATES[options.optimizer] * trainable * stored
     return params, grads, optimizer
@@ -155,16 +192,22 @@ def estimate(spec: ModelSpec, options: PlanOptions) -> Estimate:
     mixed = options.precision.endswith("-mixed")
     reduce_bytes = stored if mixed else compute
     params, grads, optimizer = state_bytes(spec, options, rank=0)
+    quantized = quantized_params(spec, options)
     full_trainable = sum(p.numel for p in spec.params if p.trainable)
-    unsharded_state = (spec.numel + (1 + OPTIMIZER_STATES[options.optimizer]) * full_trainable) * stored
+    unsharded_state = _gathered_bytes(spec.params, quantized, stored) + (
+        (1 + OPTIMIZER_STATES[options.optimizer]) * full_trainable * stored
+    )
 
-    gathered = unsharded_grads = comm = 0
+    gathered = unsharded_grads = comm = dequantized = 0
     if options.strategy == "fsdp":
-        largest = max((u.numel for u in spec.blocks), default=0)
+        largest = max((_gathered_bytes(u.params, quantized, compute) for u in spec.blocks), default=0)
         root_trainable = sum(p.numel for p in spec.root.params if p.trainable)
         largest_trainable = max((sum(p.numel for p in u.params if p.trainable) for u in spec.blocks), default=0)
         # root stays gathered from forward into backward; one unit runs while the next is prefetched
-        gathered = (spec.root.numel + (1 + options.prefetch) * largest) * compute
+        gathered = _gathered_bytes(spec.root.params, quantized, compute) + (1 + options.prefetch) * largest
+        # one quantized weight at a time is dequantized for its matmul (forward, and again in backward)
+        largest_quantized = max((p.numel for p in spec.params if p.name in quantized), default=0)
+        dequantized = largest_quantized * DEQUANTIZE_BYTES_PER_ELEMENT
         # gradients exist unsharded until their unit's reduce-scatter: the root's for all of backward, plus one unit
         unsharded_grads = (root_trainable + largest_trainable) * reduce_bytes
     elif options.strategy == "ddp":
@@ -185,6 +228,7 @@ def estimate(spec: ModelSpec, options: PlanOptions) -> Estimate:
         shard=options.shard,
         options=options,
         model_numel=spec.numel,
+        dequantized=dequantized,
     )
 
 

@@ -13,11 +13,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Param:
-    """One parameter tensor: its shape and whether it is trained (has a gradient and optimizer state)."""
+    """One parameter tensor: its shape, whether it is trained (has a gradient and optimizer state), and whether it is
+    an ``nn.Linear`` weight (which ``quantize_base`` holds quantized when frozen inside a block)."""
 
     name: str
     shape: tuple[int, ...]
     trainable: bool = True
+    linear: bool = False
 
     @property
     def numel(self) -> int:
@@ -119,7 +121,7 @@ class ModelSpec:
 
 
 def _linear(name: str, n_out: int, n_in: int, bias: bool) -> list[Param]:
-    return [Param(f"{name}.weight", (n_out, n_in))] + ([Param(f"{name}.bias", (n_out,))] if bias else [])
+    return [Param(f"{name}.weight", (n_out, n_in), linear=True)] + ([Param(f"{name}.bias", (n_out,))] if bias else [])
 
 
 def _norm(name: str, d: int, bias: bool) -> list[Param]:

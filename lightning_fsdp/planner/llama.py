@@ -109,7 +109,7 @@ def load_hf_config(source: Union[str, Path]) -> dict[str, Any]:
 
 
 def _linear(name: str, n_out: int, n_in: int, bias: bool, trainable: bool) -> list[Param]:
-    return [Param(f"{name}.weight", (n_out, n_in), trainable)] + (
+    return [Param(f"{name}.weight", (n_out, n_in), trainable, linear=True)] + (
         [Param(f"{name}.bias", (n_out,), trainable)] if bias else []
     )
 

@@ -53,7 +53,10 @@ def spec_from_module(model: Any, name: str = "model", gpt: Optional[GPTDims] = N
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         unit_names = select_units(model, policy)
+    import torch
+
     modules = dict(model.named_modules())
+    linear_weights = {id(m.weight) for m in modules.values() if isinstance(m, torch.nn.Linear)}
     taken: set[int] = set()
     units: list[Unit] = []
     for unit_name in unit_names:  # deepest first, like fully_shard
@@ -61,7 +64,7 @@ def spec_from_module(model: Any, name: str = "model", gpt: Optional[GPTDims] = N
         for pname, p in modules[unit_name].named_parameters():
             if id(p) not in taken:
                 taken.add(id(p))
-                params.append(Param(f"{unit_name}.{pname}", tuple(p.shape), p.requires_grad))
+                params.append(Param(f"{unit_name}.{pname}", tuple(p.shape), p.requires_grad, id(p) in linear_weights))
         units.append(Unit(unit_name, tuple(params)))
     root = []
     for pname, p in model.named_parameters():
