@@ -52,8 +52,8 @@ def compose(tmp_path: Path, *overrides: str):
 def test_every_group_has_options_and_the_layout_is_complete():
     for group in GROUPS:
         assert options(group), group
-    assert set(options("strategy")) == {"fsdp_custom", "fsdp_custom_offload", "fsdp_custom_hybrid", "ddp"}
-    assert {"gpt_medium_offload", "finetune_pretrained", "hsdp", "cnn_shapes", "finetune_hf_lora"} <= set(
+    assert set(options("strategy")) == {"fsdp_custom", "fsdp_custom_offload", "fsdp_custom_hybrid", "fsdp_custom_qlora", "ddp"}
+    assert {"gpt_medium_offload", "finetune_pretrained", "hsdp", "cnn_shapes", "finetune_hf_lora", "finetune_hf_qlora"} <= set(
         options("experiment")
     )
     for path in (CONFIGS / "experiment").glob("*.yaml"):
@@ -82,6 +82,7 @@ def test_strategy_options_instantiate(tmp_path, option):
     assert isinstance(strategy, FSDPCustomStrategy)
     assert strategy.cpu_offload is (option == "fsdp_custom_offload")
     assert strategy.replicate_size == ("auto" if option == "fsdp_custom_hybrid" else 1)
+    assert strategy.quantize_base == ("nf4" if option == "fsdp_custom_qlora" else None)
 
 
 @pytest.mark.parametrize("option", [o for o in options("strategy") if o != "ddp"])

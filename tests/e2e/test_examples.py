@@ -7,6 +7,7 @@ import pytest
 from tests.helpers.launch import REPO, run_python
 
 
+@pytest.mark.slow  # the QLoRA example below runs the same path, with the base quantized
 def test_hf_lora_example_writes_a_model_fine_tunes_it_and_exports_it(tmp_path):
     pytest.importorskip("peft")
     proc = run_python([str(REPO / "examples" / "finetune_hf_lora.py"), "base", "3"], cwd=tmp_path, timeout=300)
@@ -16,3 +17,16 @@ def test_hf_lora_example_writes_a_model_fine_tunes_it_and_exports_it(tmp_path):
     assert {"config.json", "tokenizer.json"} <= {p.name for p in (out / "hf_model").iterdir()}
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert "trained 57,344 of 3,090,688 parameters" in proc.stdout
+
+
+def test_hf_qlora_example_quantizes_the_base_fine_tunes_and_exports(tmp_path):
+    pytest.importorskip("torchao")
+    proc = run_python([str(REPO / "examples" / "finetune_hf_qlora.py"), "base", "3"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "outputs" / "finetune_hf_qlora"
+    assert (tmp_path / "base" / "model.safetensors.index.json").is_file()
+    for export in ("hf_model", "hf_model_nf4"):
+        assert {"config.json", "tokenizer.json", "model.safetensors"} <= {p.name for p in (out / export).iterdir()}
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert "28 base weights held in NF4" in proc.stdout  # 7 projections × 4 layers
+    assert "stay unquantized" not in proc.stderr

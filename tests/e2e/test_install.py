@@ -61,4 +61,4 @@ def test_tools_discover_strategies_without_knowing_the_module(installed, tmp_pat
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "['fsdp_custom', 'fsdp_custom_hybrid', 'fsdp_custom_offload']"
+    assert proc.stdout.strip() == "['fsdp_custom', 'fsdp_custom_hybrid', 'fsdp_custom_offload', 'fsdp_custom_qlora']"

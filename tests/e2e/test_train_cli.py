@@ -126,12 +126,13 @@ EXPERIMENTS = {
     "hsdp": ["debug=fast_dev_run", SMALL_CORPUS],
     "finetune_pretrained": ["debug=steps", SMALL_CORPUS],
     "finetune_hf_lora": ["debug=steps", SMALL_CORPUS, "sample.max_new_tokens=4"],
+    "finetune_hf_qlora": ["debug=steps", SMALL_CORPUS, "sample.max_new_tokens=4"],
 }
 
 
 #: experiments whose features other default tests run already (offload and HSDP parity, the pretrained start, the
-#: HF LoRA example): CI runs them with `-m slow`
-COVERED_ELSEWHERE = {"gpt_medium_offload", "hsdp", "finetune_pretrained", "finetune_hf_lora"}
+#: HF LoRA and QLoRA examples): CI runs them with `-m slow`
+COVERED_ELSEWHERE = {"gpt_medium_offload", "hsdp", "finetune_pretrained", "finetune_hf_lora", "finetune_hf_qlora"}
 
 
 @pytest.mark.parametrize(
@@ -159,6 +160,9 @@ def test_every_experiment_runs_with_a_debug_override(tmp_path, experiment):
     elif experiment == "finetune_pretrained":
         assert (tmp_path / "outputs" / "pretrained" / "gpt_L6_d256_v256.pt").is_file()  # pretrained_if_missing=init
         assert result["global_step"] == 4
+    elif experiment == "finetune_hf_qlora":
+        assert len(result["wrapped_units"]) == 5 and {"hf", "peft"} <= set(result["exports"])
+        assert (tmp_path / "outputs" / "pretrained" / "llama_byte_L4_d256_ff768" / "config.json").is_file()
     elif experiment == "finetune_hf_lora":
         from peft import PeftModel
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -73,6 +73,9 @@ def train_many(
         raise AssertionError(f"training runs {list(specs)} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     results = {}
     for name, spec in full.items():
+        if not check and not Path(spec["out"]).exists():  # the run failed before writing its result
+            results[name] = {"proc": proc}
+            continue
         result = json.loads(Path(spec["out"]).read_text())
         result["params"] = torch.load(result["params_path"], weights_only=True)
         result["proc"] = proc

@@ -162,9 +162,32 @@ def build_model(spec: dict[str, Any]) -> tuple[L.LightningModule, int, int]:
     if spec.get("hf"):
         from lightning_fsdp.models import HFCausalLM
 
-        return HFCausalLM(**spec["hf"]), 37, 7
+        hf = dict(spec["hf"])
+        cls = _nf4_reference_class() if hf.pop("nf4_reference", False) else HFCausalLM
+        return cls(**hf), 37, 7
     kwargs = dict(spec.get("model", {}))
     if "frozen" in kwargs:
         kwargs["frozen"] = tuple(kwargs["frozen"])
     model = TinyLM(**kwargs)
     return model, model.hparams.vocab, model.hparams.seq
+
+
+def _nf4_reference_class() -> type:
+    from lightning_fsdp.models import HFCausalLM
+
+    class NF4Reference(HFCausalLM):
+        """The QLoRA reference in one process: ``from_pretrained``, then every frozen ``nn.Linear`` weight of the decoder
+        layers replaced by torchao's ``to_nf4`` of its bf16 value, as QLoRA defines the quantized base."""
+
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            super().configure_model()
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+            for module in self.model.get_base_model().model.layers.modules():
+                if isinstance(module, nn.Linear) and not module.weight.requires_grad:
+                    module.weight = nn.Parameter(to_nf4(module.weight.detach().to(torch.bfloat16)), requires_grad=False)
+
+    return NF4Reference
+

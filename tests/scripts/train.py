@@ -166,17 +166,44 @@ class ProbeShardedLoad(Callback):
         self.peaks = trainer.strategy.all_gather(torch.tensor([tracker.peak()])).reshape(-1).tolist()
 
 
+class InitialTrainable(Callback):
+    """At fit start: writes the trainable parameters to ``save`` (a one-process run), or loads them from ``load``
+    into this rank's rows. Sharded runs whose adapters a CPU mesh initialises shard by shard then start from the
+    reference's own initial adapters."""
+
+    def __init__(self, save: str | None, load: str | None) -> None:
+        self.save, self.load = save, load
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        from lightning_fsdp.parallel.mesh import local_rows, local_shard
+
+        if self.save:
+            torch.save({k: p.detach().clone() for k, p in pl_module.named_parameters() if p.requires_grad}, self.save)
+        if self.load:
+            with torch.no_grad():
+                for key, full in torch.load(self.load, weights_only=True).items():
+                    param = pl_module.get_parameter(key)
+                    start, stop = local_rows(param)
+                    local_shard(param).copy_(full[start:stop])
+
+
 def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """Gathered full parameters (a collective on sharded strategies)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
+
+    from lightning_fsdp.sharding import nf4
 
     model = trainer.strategy.model
     if any(isinstance(p, DTensor) for p in model.parameters()):  # ours, or a module that sharded itself
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         sd = {k: v.detach().cpu() for k, v in trainer.lightning_module.state_dict().items()}
-    return {k: v.float().clone() for k, v in sd.items()}
+    out = {k: v.float().clone() for k, v in sd.items()}  # a quantized weight: its dequantized value
+    for key, value in sd.items():  # and its stored fields, to compare quantizations exactly
+        if nf4.is_nf4(value):
+            out.update({f"{key}.nf4.{name}": field.clone() for name, field in nf4.fields(value).items()})
+    return out
 
 
 def ema_callback(spec: dict, ours: bool) -> Callback | None:
@@ -214,6 +241,8 @@ def main(spec: dict) -> None:
     norm_counter = CountNormWork(at=spec["count_norm_work_at"]) if "count_norm_work_at" in spec else None
     if norm_counter is not None:
         callbacks.append(norm_counter)
+    if spec.get("save_initial") or spec.get("load_initial"):
+        callbacks.append(InitialTrainable(spec.get("save_initial"), spec.get("load_initial")))
     probe = ProbeShardedLoad(spec["probe_sharded_load"]) if spec.get("probe_sharded_load") else None
     if probe is not None:
         callbacks.append(probe)
@@ -269,6 +298,8 @@ def main(spec: dict) -> None:
         gathered = trainer.strategy.all_gather(torch.tensor([sb["params"], sb["grads"], sb["optimizer"]]))
         result["state_bytes"] = gathered.reshape(-1, 3).tolist()
         result["wrapped_units"] = trainer.strategy.wrapped_units
+        quantized = getattr(trainer.strategy, "quantized_base", None)
+        result["quantized"] = quantized.to_dict() if quantized is not None else None
     if trainer.is_global_zero and spec.get("out"):
         out = Path(spec["out"])
         torch.save(params, out.with_suffix(".params.pt"))

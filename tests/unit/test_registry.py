@@ -6,7 +6,7 @@ import lightning_fsdp
 from lightning_fsdp import FSDPCustomStrategy
 from lightning_fsdp.registry import discover_strategies, load_discovered_strategies, register_strategies
 
-NAMES = ("fsdp_custom", "fsdp_custom_offload", "fsdp_custom_hybrid")
+NAMES = ("fsdp_custom", "fsdp_custom_offload", "fsdp_custom_hybrid", "fsdp_custom_qlora")
 
 
 def test_names_registered_with_descriptions():
@@ -23,11 +23,16 @@ def test_registration_is_idempotent():
     FSDPCustomStrategy.register_strategies(StrategyRegistry)
 
 
-@pytest.mark.parametrize(("name", "offload", "replicate"), [("fsdp_custom", False, 1), ("fsdp_custom_offload", True, 1), ("fsdp_custom_hybrid", False, "auto")])
-def test_trainer_resolves_names_on_cpu(name, offload, replicate):
+@pytest.mark.parametrize(
+    ("name", "offload", "replicate", "quantize"),
+    [("fsdp_custom", False, 1, None), ("fsdp_custom_offload", True, 1, None), ("fsdp_custom_hybrid", False, "auto", None),
+     ("fsdp_custom_qlora", False, 1, "nf4")],
+)
+def test_trainer_resolves_names_on_cpu(name, offload, replicate, quantize):
     trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, FSDPCustomStrategy)
     assert trainer.strategy.cpu_offload is offload and trainer.strategy.replicate_size == replicate
+    assert trainer.strategy.quantize_base == quantize
     assert isinstance(trainer.precision_plugin, lightning_fsdp.FSDP2Precision)
 
 
@@ -70,6 +75,8 @@ def test_hsdp_sizes_that_do_not_divide_fail_in_trainer_construction():
         ({"timeout": -5}, "timeout"),
         ({"replicate_size": 0}, "replicate_size"),
         ({"max_nonfinite_steps": 0}, "max_nonfinite_steps"),
+        ({"quantize_base": "int3"}, r"`quantize_base` must be one of \['nf4'\] or None, got 'int3'"),
+        ({"quantize_base": "nf4", "state_dict_type": "full"}, "keeps the quantized base out of checkpoints"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, match):
