@@ -34,9 +34,14 @@ case "$cmd" in
   test)
     setup
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-    if [ "${CI:-}" = "true" ] && [ "$#" -eq 0 ]; then
-      # CI has the time for the slow cases too (2279 s of tests in all on 2 cores, measured)
-      set -- -m "slow or not slow"
+    if [ "$#" -eq 0 ]; then
+      # The whole suite on two workers: a multi-process test spends much of its time starting processes and
+      # waiting on them, so one worker keeps the two cores about half busy. Tests sharing module fixtures stay
+      # on one worker (--dist loadgroup).
+      set -- -n "${TEST_WORKERS:-2}" --dist loadgroup
+      if [ "${CI:-}" = "true" ]; then
+        set -- "$@" -m "slow or not slow"  # CI has the time for the slow cases too
+      fi
     fi
     exec "$VENV/bin/python" -m pytest "$@"
     ;;

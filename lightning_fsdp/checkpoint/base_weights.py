@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.formatting import short_list
-from lightning_fsdp.sharding.quantize import QuantizedBase
+from lightning_fsdp.sharding.quantize import SETTINGS, QuantizedBase
 
 #: the top-level checkpoint entry holding the reference (plain data, in ``meta.pt``)
 PRETRAINED_ENTRY = "lightning_fsdp_pretrained"
@@ -111,6 +111,11 @@ def check_quantization(where: Path, saved: Optional[QuantizedBase], current: Col
     if saved is None:
         return
     fix = f"Resume with `quantize_base={saved.method!r}`"
+    if saved.settings != SETTINGS:
+        raise CheckpointError(
+            f"{where} was trained on a base quantized with {saved.settings}; this version quantizes with {SETTINGS}."
+            " Resume it with the version that trained it."
+        )
     if not current:
         raise CheckpointError(
             f"{where} was trained on a base quantized with {saved.method!r} ({len(saved.names)} weights), but this run"

@@ -120,6 +120,7 @@ class Estimate:
     options: PlanOptions = field(compare=False)
     model_numel: int = 0
     dequantized: int = 0
+    on_device_when_offloaded: int = 0
 
     @property
     def state(self) -> int:
@@ -134,7 +135,7 @@ class Estimate:
     @property
     def device(self) -> int:
         """Peak bytes on the accelerator (or in process memory on CPU, where ``host`` is added)."""
-        resident = 0 if self.options.cpu_offload else self.state
+        resident = self.on_device_when_offloaded if self.options.cpu_offload else self.state
         transient = self.gathered + self.dequantized + self.unsharded_grads + self.comm_buffers + self.activations
         return resident + transient
 
@@ -214,7 +215,9 @@ def estimate(spec: ModelSpec, options: PlanOptions) -> Estimate:
         comm = full_trainable * reduce_bytes  # DDP's gradient buckets are a second copy of the gradients
 
     activations = activation_bytes(spec, options)
-    host = params + grads + optimizer if options.cpu_offload else 0
+    # a one-rank shard group keeps its quantized weights out of FSDP, and so out of its CPU offload
+    kept = sum(_quantized_bytes(p.numel) for p in spec.params if p.name in quantized) if options.shard == 1 else 0
+    host = params + grads + optimizer - kept if options.cpu_offload else 0
     return Estimate(
         params=params,
         grads=grads,
@@ -229,6 +232,7 @@ def estimate(spec: ModelSpec, options: PlanOptions) -> Estimate:
         options=options,
         model_numel=spec.numel,
         dequantized=dequantized,
+        on_device_when_offloaded=kept if options.cpu_offload else 0,
     )
 
 

@@ -7,12 +7,14 @@ Trainer.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from torch import nn
 
 from lightning_fsdp._torch_compat import composable_checkpoint
+from lightning_fsdp.parallel.collectives import rank
 from lightning_fsdp.sharding.compile import CompileArg, compile_options, compile_units
 from lightning_fsdp.sharding.policy import WrapPolicy, validate_policy
 from lightning_fsdp.sharding.quantize import QuantizedBase, check_method, device_of, quantize_units
@@ -75,7 +77,7 @@ def shard_model(
 
     Idempotent: a model whose root is already an ``FSDPModule`` is left untouched.
     """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if isinstance(model, FSDPModule):
         return [], None
@@ -90,6 +92,13 @@ def shard_model(
         # one rank per shard holds each quantized weight whole: FSDP2 gathers a one-rank group by copying a single
         # tensor, which a quantized weight (several) is not, so FSDP leaves them alone and they compute as they are
         kwargs["ignored_params"] = {model.get_parameter(name) for name in quantized.names} or None
+        if isinstance(offload_policy, CPUOffloadPolicy) and quantized.names and rank() == 0:
+            warnings.warn(
+                f"cpu_offload with quantize_base={quantize_base!r} on one rank per shard group: the"
+                f" {len(quantized.names)} quantized weights stay on the device (only groups of 2+ ranks offload them);"
+                " everything else is offloaded.",
+                stacklevel=3,
+            )
     compile_units(model, [*names, ""], compile)
     modules = dict(model.named_modules())
     for name in names:

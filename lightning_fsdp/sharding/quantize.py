@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 #: ``quantize_base=`` values and what they hold the frozen base in
 METHODS = {"nf4": "torchao NF4 (4-bit NormalFloat, blocks of 64, double-quantized scalers in blocks of 256)"}
+#: how the base is quantized, recorded in checkpoints: a resume must quantize it the same way
+SETTINGS = {"block_size": nf4.BLOCK_SIZE, "scaler_block_size": nf4.SCALER_BLOCK_SIZE}
 
 
 def check_method(method: Optional[str]) -> Optional[str]:
@@ -59,9 +61,7 @@ class QuantizedBase:
     names: tuple[str, ...]
     from_model: tuple[str, ...] = ()
     unquantized: tuple[str, ...] = ()
-    settings: dict[str, int] = field(
-        default_factory=lambda: {"block_size": nf4.BLOCK_SIZE, "scaler_block_size": nf4.SCALER_BLOCK_SIZE}
-    )
+    settings: dict[str, int] = field(default_factory=lambda: dict(SETTINGS))
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "keys": list(self.names), "from_model": list(self.from_model),
@@ -69,9 +69,9 @@ class QuantizedBase:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> QuantizedBase:
-        settings = {k: int(data[k]) for k in ("block_size", "scaler_block_size") if k in data}
+        settings = {k: int(data[k]) for k in SETTINGS if k in data}
         return cls(str(data["method"]), tuple(map(str, data["keys"])), tuple(map(str, data.get("from_model", ()))),
-                   tuple(map(str, data.get("unquantized", ()))), settings or QuantizedBase("", ()).settings)
+                   tuple(map(str, data.get("unquantized", ()))), settings)
 
 
 def frozen_linear_weights(model: nn.Module, units: Sequence[str]) -> dict[str, nn.Linear]:

@@ -22,6 +22,8 @@ from lightning_fsdp.checkpoint.checksums import hash_file
 from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME, META_NAME
 from tests.scripts.ckpt_jobs import end_session, errors_by_rank, job, start, wait_for
 
+pytestmark = pytest.mark.xdist_group("test_checkpoint_faults")  # its module fixtures run once, on one worker
+
 STEPS_PER_EPOCH = 4
 
 

@@ -23,6 +23,8 @@ from tests.helpers.hf import LORA, write_llama
 from tests.helpers.launch import train
 from tests.scripts.ckpt_jobs import errors_by_rank, job
 
+pytestmark = pytest.mark.xdist_group("test_hf_finetune")  # its module fixtures run once, on one worker
+
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -17,9 +18,23 @@ SCRIPTS = REPO / "tests" / "scripts"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free rendezvous port. Under pytest-xdist each worker draws from its own range below the kernel's ephemeral
+    ports (32768 and up), so parallel jobs never pick the same port and no outgoing connection is given it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    low = 12000 + 2000 * (int(worker[2:]) % 10)
+    for _ in range(100):
+        port = random.randrange(low, low + 2000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}..{low + 2000}")
 
 
 def child_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:

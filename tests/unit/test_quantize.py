@@ -148,3 +148,23 @@ def test_the_planner_fits_llama_2_70b_qlora_on_two_24gb_cards_with_offload():
     assert 2 * qlora.host < 40 * gib < 2 * lora.host  # host memory over both ranks: well under 64 GB
     assert qlora.device < 22 * gib and qlora.dequantized == 28672 * 8192 * 17
     assert qlora.params < 0.3 * lora.params
+
+
+def test_a_resume_must_hold_the_base_quantized_as_in_training(tmp_path):
+    from lightning_fsdp.checkpoint import CheckpointError
+    from lightning_fsdp.checkpoint.base_weights import check_quantization
+    from lightning_fsdp.sharding.quantize import QuantizedBase
+
+    saved = QuantizedBase("nf4", ("a.weight", "b.weight"))
+    check_quantization(tmp_path, saved, ["a.weight", "b.weight"])
+    check_quantization(tmp_path, None, [])
+    with pytest.raises(CheckpointError, match="trained on a base held in full precision, but this run quantizes 1"):
+        check_quantization(tmp_path, None, ["a.weight"])
+    with pytest.raises(CheckpointError, match=r"quantized with 'nf4' \(2 weights\), but this run holds the base in full"):
+        check_quantization(tmp_path, saved, [])
+    with pytest.raises(CheckpointError, match=r"\[b.weight\] differ .*depends on the number of shards"):
+        check_quantization(tmp_path, saved, ["a.weight"])
+    other = QuantizedBase.from_dict({**saved.to_dict(), "block_size": 32})
+    with pytest.raises(CheckpointError, match="quantized with {'block_size': 32"):
+        check_quantization(tmp_path, other, ["a.weight", "b.weight"])
+    assert QuantizedBase.from_dict(saved.to_dict()) == saved
