@@ -36,9 +36,9 @@ case "$cmd" in
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     if [ "$#" -eq 0 ]; then
       # The whole suite on two workers: a multi-process test spends much of its time starting processes and
-      # waiting on them, so one worker keeps the two cores about half busy. Tests sharing module fixtures stay
-      # on one worker (--dist loadgroup).
-      set -- -n "${TEST_WORKERS:-2}" --dist loadgroup
+      # waiting on them, so one worker keeps the two cores about half busy. A test file runs on one worker (its
+      # module fixtures run once: --dist loadfile).
+      set -- -n "${TEST_WORKERS:-2}" --dist loadfile
       if [ "${CI:-}" = "true" ]; then
         set -- "$@" -m "slow or not slow"  # CI has the time for the slow cases too
       fi

@@ -22,8 +22,6 @@ from lightning_fsdp.checkpoint.checksums import hash_file
 from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME, META_NAME
 from tests.scripts.ckpt_jobs import end_session, errors_by_rank, job, start, wait_for
 
-pytestmark = pytest.mark.xdist_group("test_checkpoint_faults")  # its module fixtures run once, on one worker
-
 STEPS_PER_EPOCH = 4
 
 
@@ -84,40 +82,17 @@ def _truncate(path):
         f.truncate(path.stat().st_size - 100)
 
 
-@pytest.mark.parametrize(
-    ("damage", "expected"),
-    [
-        (_flip_byte, "__1_0.distcp fails its crc32 checksum"),
-        (lambda p: p.unlink(), "__1_0.distcp is missing"),
-        (_truncate, "__1_0.distcp has"),
-    ],
-    ids=["flipped_byte", "deleted_shard", "truncated_shard"],
-)
-def test_damaged_shard_is_rejected_on_every_rank(tmp_path, base, damage, expected):
-    ckpt = _copy_last(base, tmp_path)
-    damage(ckpt / "__1_0.distcp")
-    message = _load_fails_on_every_rank(tmp_path, ckpt)
-    assert "is damaged and was not loaded" in message and expected in message
-
-
-@pytest.mark.timeout(120)
-def test_a_fifo_that_the_manifest_agrees_with_is_refused_on_every_rank_without_blocking(tmp_path, base):
-    """Opening a FIFO blocks until a writer appears: a load that opened rank 1's shard would hang forever. The
-    directory is refused by name on every rank before any file is opened (the job's timeout would catch a hang)."""
-    ckpt = _copy_last(base, tmp_path)
+def _fifo(ckpt):
+    """Opening a FIFO blocks until a writer appears: a load that opened it would hang forever. The manifest is made to
+    agree with what stat and an empty read would give."""
     shard = ckpt / "__1_0.distcp"
     shard.unlink()
     os.mkfifo(shard)
     manifest = json.loads((ckpt / MANIFEST_NAME).read_text())
-    manifest["files"][shard.name] = {"size": 0, "checksum": "00000000"}  # what stat and an empty read would give
+    manifest["files"][shard.name] = {"size": 0, "checksum": "00000000"}
     (ckpt / MANIFEST_NAME).write_text(json.dumps(manifest))
-    started = time.monotonic()
-    message = _load_fails_on_every_rank(tmp_path, ckpt)
-    assert "holds entries that are not regular files: __1_0.distcp (a FIFO)" in message
-    assert time.monotonic() - started < 60
 
 
-# -- crafted files ------------------------------------------------------------------------------------------------------
 class Payload:
     """Unpickled by a plain unpickler, this runs a shell command creating ``marker`` (see the unit tests)."""
 
@@ -128,30 +103,70 @@ class Payload:
         return (os.system, (f"touch {shlex.quote(self.marker)}",))
 
 
-@pytest.mark.parametrize("target", [".metadata", META_NAME])
-def test_crafted_file_is_refused_and_its_code_never_runs(tmp_path, base, target):
-    """The attacker also rewrites the manifest, so checksums pass: the restricted loaders must refuse."""
-    ckpt = _copy_last(base, tmp_path)
-    marker = tmp_path / "code-ran"
-    if target == ".metadata":
-        (ckpt / target).write_bytes(pickle.dumps(Payload(marker)))
-    else:
-        torch.save({"epoch": Payload(marker), "global_step": 4}, ckpt / target)
-    manifest = json.loads((ckpt / MANIFEST_NAME).read_text())
-    entry = hash_file(ckpt / target)
-    manifest["files"][target] = {"size": entry.size, "checksum": entry.checksum}
-    (ckpt / MANIFEST_NAME).write_text(json.dumps(manifest))
-    verify_checkpoint(ckpt)  # checksums match: only the unpickler stands in the way
-    message = _load_fails_on_every_rank(tmp_path, ckpt)
-    assert message.startswith(f"CheckpointError: Refusing to load {ckpt / target}")
-    assert not marker.exists()
+def _crafted(target, marker):
+    """A file that runs code when unpickled; the attacker also rewrites the manifest, so checksums pass and only the
+    restricted loaders stand in the way."""
+
+    def craft(ckpt):
+        if target == ".metadata":
+            (ckpt / target).write_bytes(pickle.dumps(Payload(marker)))
+        else:
+            torch.save({"epoch": Payload(marker), "global_step": 4}, ckpt / target)
+        manifest = json.loads((ckpt / MANIFEST_NAME).read_text())
+        entry = hash_file(ckpt / target)
+        manifest["files"][target] = {"size": entry.size, "checksum": entry.checksum}
+        (ckpt / MANIFEST_NAME).write_text(json.dumps(manifest))
+        verify_checkpoint(ckpt)  # checksums match
+
+    return craft
 
 
-def test_directory_without_manifest_is_refused(tmp_path, base):
+#: damaged and crafted copies of `last.ckpt`, loaded one after another by one 2-rank job
+REFUSALS = {
+    "deleted_shard": (lambda c: (c / "__1_0.distcp").unlink(), ["__1_0.distcp is missing", "is damaged and was not loaded"]),
+    "truncated_shard": (lambda c: _truncate(c / "__1_0.distcp"), ["__1_0.distcp has", "is damaged and was not loaded"]),
+    "fifo": (_fifo, ["holds entries that are not regular files: __1_0.distcp (a FIFO)"]),
+    "no_manifest": (lambda c: (c / MANIFEST_NAME).unlink(), ["is not a checkpoint: it has no manifest.json", "lightning-fsdp seal"]),
+    "crafted_metadata": (".metadata", ["Refusing to load", ".metadata"]),
+    "crafted_meta_pt": (META_NAME, ["Refusing to load", META_NAME]),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(base, tmp_path_factory):
+    """Every case of :data:`REFUSALS` loaded by the same 2-rank job, after a fit: each rank's error per case."""
+    root = tmp_path_factory.mktemp("refusals")
+    marker = root / "code-ran"
+    paths = {}
+    for case, (damage, _) in REFUSALS.items():
+        ckpt = shutil.copytree(base / "last.ckpt", root / case / "last.ckpt")
+        (_crafted(damage, marker) if isinstance(damage, str) else damage)(ckpt)
+        paths[case] = str(ckpt)
+    errors = root / "errors"
+    errors.mkdir()
+    job({"devices": 2, "max_steps": 1, "load_each": paths, "error_dir": str(errors)}, root, "refusals", timeout=180)
+    return {case: {r: (errors / f"{case}-rank{r}.txt").read_text() for r in (0, 1)} for case in REFUSALS}, marker
+
+
+def test_damaged_shard_is_rejected_on_every_rank(tmp_path, base):
+    """Through the Trainer: `fit(ckpt_path=...)` with one flipped byte ends every rank with the same error."""
     ckpt = _copy_last(base, tmp_path)
-    (ckpt / MANIFEST_NAME).unlink()
+    _flip_byte(ckpt / "__1_0.distcp")
     message = _load_fails_on_every_rank(tmp_path, ckpt)
-    assert "is not a checkpoint: it has no manifest.json" in message and f"`lightning-fsdp seal {ckpt}`" in message
+    assert "is damaged and was not loaded" in message and "__1_0.distcp fails its crc32 checksum" in message
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_damaged_or_crafted_checkpoints_are_refused_on_every_rank(refusals, case):
+    """Deleted, truncated, a FIFO (refused by name before any file is opened: the job's timeout would catch a hang),
+    no manifest, and crafted pickles whose code never runs."""
+    by_case, marker = refusals
+    errors = by_case[case]
+    assert errors[0] == errors[1], errors  # the same error on every rank
+    assert errors[0].startswith("CheckpointError: "), errors[0]
+    for expected in REFUSALS[case][1]:
+        assert expected in errors[0], errors[0]
+    assert not marker.exists()  # no crafted pickle's code ran
 
 
 # -- a rank killed in the middle of a save ------------------------------------------------------------------------------

@@ -20,8 +20,6 @@ from tests.helpers.launch import REPO, child_env
 from tests.helpers.models import TinyLM
 from tests.scripts.ckpt_jobs import job
 
-pytestmark = pytest.mark.xdist_group("test_checkpoint_resume")  # its module fixtures run once, on one worker
-
 STEPS_PER_EPOCH = 4
 
 

@@ -16,8 +16,6 @@ import torch
 
 from tests.helpers.launch import REPO, child_env, train
 
-pytestmark = pytest.mark.xdist_group("test_ema")  # its module fixtures run once, on one worker
-
 GLOBAL_BATCH = 8
 STEPS = 8
 EMA = {"decay": 0.9}

@@ -23,8 +23,6 @@ from tests.distributed.test_parity import _checkpoint_keys, assert_parity
 from tests.helpers.hf import FAMILIES, write_family, write_llama
 from tests.helpers.launch import train, train_many
 
-pytestmark = pytest.mark.xdist_group("test_hf_models")  # its module fixtures run once, on one worker
-
 pytest.importorskip("transformers")
 
 GLOBAL_BATCH = 8

@@ -24,8 +24,6 @@ from tests.helpers.launch import REPO, SCRIPTS, child_env, train
 from tests.helpers.models import TinyLM
 from tests.scripts.fail_jobs import FAIL_TRAIN, run_lightning, run_torchrun, write_spec
 
-pytestmark = pytest.mark.xdist_group("test_multinode")  # its module fixtures run once, on one worker
-
 GLOBAL_BATCH = 8
 STEPS = 6
 

@@ -6,6 +6,8 @@ the reference loss. The sampler does not shuffle here, so the ranks' batches tog
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -15,9 +17,16 @@ GLOBAL_BATCH = 8
 STEPS = 6
 
 
+#: single-process references by spec: several parity tests compare against the same one (per test process)
+_REFERENCES: dict[str, dict] = {}
+
+
 def _reference(tmp_path, *, model=None, steps=STEPS, **extra):
     spec = {"strategy": "auto", "devices": 1, "batch_size": GLOBAL_BATCH, "max_steps": steps, "model": model or {}, **extra}
-    return train(spec, tmp_path, "reference")
+    key = json.dumps(spec, sort_keys=True)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train(spec, tmp_path, "reference")
+    return _REFERENCES[key]
 
 
 def _sharded(tmp_path, world, *, model=None, steps=STEPS, accumulate=1, name="sharded", **extra):

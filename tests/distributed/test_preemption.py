@@ -17,8 +17,6 @@ import torch
 from lightning_fsdp.resilience import PREEMPTED_EXIT_CODE
 from tests.scripts.fail_jobs import run_lightning
 
-pytestmark = pytest.mark.xdist_group("test_preemption")  # its module fixtures run once, on one worker
-
 STEPS = 12  # 8 steps per epoch (64 samples, global batch 8): the signal lands in epoch 0, the run ends in epoch 1
 
 

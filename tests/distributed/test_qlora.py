@@ -21,8 +21,6 @@ from tests.distributed.test_parity import assert_parity
 from tests.helpers.hf import LORA, write_llama
 from tests.helpers.launch import train
 
-pytestmark = pytest.mark.xdist_group("test_qlora")  # its module fixtures run once, on one worker
-
 pytest.importorskip("peft")
 pytest.importorskip("torchao")
 

@@ -21,8 +21,6 @@ from lightning_fsdp.checkpoint import CheckpointError, verify_checkpoint
 from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME, META_NAME, read_manifest
 from tests.helpers.launch import REPO, child_env, train
 
-pytestmark = pytest.mark.xdist_group("test_seal")  # its module fixtures run once, on one worker
-
 GLOBAL_BATCH = 8
 STEPS = 8
 MODEL = {"shard_myself": True}

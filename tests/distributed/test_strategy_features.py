@@ -10,8 +10,6 @@ import torch
 from tests.distributed.test_parity import GLOBAL_BATCH, _reference, _sharded, assert_parity
 from tests.helpers.launch import SCRIPTS, run_python, train
 
-pytestmark = pytest.mark.xdist_group("test_strategy_features")  # its module fixtures run once, on one worker
-
 
 def _features(tmp_path, mode, precision="32-true"):
     out = tmp_path / f"{mode}.json"

@@ -10,10 +10,10 @@ import pytest
 
 from tests.helpers.launch import REPO
 
-pytestmark = [pytest.mark.xdist_group("test_install"), pytest.mark.skipif(
+pytestmark = pytest.mark.skipif(
     subprocess.run([sys.executable, "-c", "import setuptools.command.bdist_wheel"], capture_output=True).returncode != 0,
     reason="building a wheel offline needs setuptools>=70 (the dev extra installs it)",
-)]
+)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,9 @@
   ``load_safetensors`` on a safetensors directory (``probe_sharded_peak_bytes``)
 - ``pause_after_write_s``: every rank sleeps this long after writing its shard files, before the ranks agree that
   the save is complete (so the test can kill a rank mid-save)
+- ``load_each`` (with ``error_dir``): ``{case: checkpoint path}``, loaded one after another after the stage through the
+  strategy's ``load_checkpoint`` (what the Trainer calls); every rank writes ``<case>-rank<R>.txt`` with the error it
+  raised (or ``loaded``), and the job goes on: many refused loads in one start-up
 
 Rank 0 writes ``out`` (JSON): per-step losses, ``global_step``, ``world_size``, ``params_path`` (gathered params).
 """
@@ -171,6 +174,13 @@ def run(spec: dict, record: Record) -> L.Trainer:
         strategy.state_dict_type = "full"
         trainer.save_checkpoint(spec["full_save_path"])
         strategy.state_dict_type = spec.get("strategy_kwargs", {}).get("state_dict_type", "sharded")
+    for case, path in spec.get("load_each", {}).items():
+        try:
+            strategy.load_checkpoint(path)
+            outcome = "loaded"
+        except Exception as err:  # noqa: BLE001 - recorded for the test, which asserts on it
+            outcome = f"{type(err).__name__}: {err}"
+        Path(spec["error_dir"], f"{case}-rank{trainer.global_rank}.txt").write_text(outcome)
     fail = spec.get("fail_write")
     if fail:
         strategy.checkpointer.finalize()  # an async save still being written must not hit the limit

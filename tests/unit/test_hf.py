@@ -18,8 +18,6 @@ from lightning_fsdp.hf.load import plan_load
 from lightning_fsdp.sharding import DEFAULT_RULES, materialize_meta_module, parameters_on_meta
 from tests.helpers.hf import LORA, TINY_LLAMA, write_llama
 
-pytestmark = pytest.mark.xdist_group("test_hf")  # its module fixtures run once, on one worker
-
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 

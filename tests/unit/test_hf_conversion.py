@@ -15,8 +15,6 @@ from lightning_fsdp.parallel.mesh import local_rows
 from lightning_fsdp.sharding import DEFAULT_RULES, materialize_meta_module, parameters_on_meta, tied_aliases
 from tests.helpers.hf import FAMILIES, TINY_LLAMA, write_family, write_llama
 
-pytestmark = pytest.mark.xdist_group("test_hf_conversion")  # its module fixtures run once, on one worker
-
 transformers = pytest.importorskip("transformers")
 
 
