@@ -4,7 +4,7 @@ loads at any world size, consolidation into one file, and pretrained weights int
 Modules: :mod:`.checkpointer` (orchestration, async saves), :mod:`.sharded` and :mod:`.full` (the two formats),
 :mod:`.compatibility` (keys, dtypes, shapes: one check for checkpoints and pretrained weights), :mod:`.manifest`
 (sizes, checksums, provenance), :mod:`.commit` (atomic rename, crash recovery), :mod:`.safe_load` (no pickled code
-runs), :mod:`.state` (pure transforms of the checkpoint dict), :mod:`.shard_reader` and :mod:`.consolidate`
+runs), :mod:`.state` (pure transforms of the checkpoint dict), :mod:`.reader` (one way to open a checkpoint) and :mod:`.consolidate`
 (one-process export), :mod:`.pretrained`.
 
 ==========================  =====================================================================================

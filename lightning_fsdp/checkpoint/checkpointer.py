@@ -79,12 +79,15 @@ class Checkpointer:
     Args:
         async_save: write shards in a background thread while training continues; the commit (manifest,
             rename) happens at the next save, load or :meth:`finalize`, where a failed write is raised on every rank.
-        verify_checksums: check every file's checksum before loading (sizes are always checked).
+        verify_checksums: check the checksum of every byte a load reads (sizes are always checked).
+        verify_before_load: check every file's checksums in a pass before any state changes (two reads of every
+            byte), instead of each entry as it is read.
     """
 
-    def __init__(self, async_save: bool = False, verify_checksums: bool = True) -> None:
+    def __init__(self, async_save: bool = False, verify_checksums: bool = True, verify_before_load: bool = False) -> None:
         self.async_save = bool(async_save)
         self.verify_checksums = bool(verify_checksums)
+        self.verify_before_load = bool(verify_before_load)
         self._pending: Optional[_PendingSave] = None
         self._async_group: Any = None
 
@@ -225,6 +228,7 @@ class Checkpointer:
         kind = broadcast_object(agreed(on_rank_zero(detect), f"Loading checkpoint {path}"))
         if kind == "dir":
             return sharded_load.load(
-                path, model, list(optimizers), strict, self.verify_checksums, resolve_base, tuple(model_entries)
+                path, model, list(optimizers), strict, self.verify_checksums, resolve_base, tuple(model_entries),
+                self.verify_before_load,
             )
         return full.load(path, model, list(optimizers), strict, self.verify_checksums, tuple(model_entries))

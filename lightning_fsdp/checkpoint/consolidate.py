@@ -3,8 +3,9 @@
 The result loads in a plain single process (``MyModule.load_from_checkpoint(DST)``, ``torch.load(DST,
 weights_only=True)``) without this package's strategy. ``--format safetensors`` writes the model weights only.
 
-Runs in one process, no process group. The source is verified (manifest, sizes, checksums) and read with the
-restricted unpickler first. Tensors are assembled one at a time from their shards, so memory peaks near one copy of
+Runs in one process, no process group. The source is opened through
+:class:`~lightning_fsdp.checkpoint.reader.CheckpointReader`: manifest, sizes and state files first, each shard entry
+checked as it is read (every byte is read once). Tensors are assembled one at a time from their shards, so memory peaks near one copy of
 the output (for safetensors, which is written as it is read: near one tensor).
 """
 
@@ -23,9 +24,7 @@ import torch
 from lightning_fsdp.checkpoint import commit as commit_ops
 from lightning_fsdp.checkpoint.base_weights import BaseReference, pop_reference, require_resolver
 from lightning_fsdp.checkpoint.errors import CheckpointError
-from lightning_fsdp.checkpoint.manifest import read_manifest, verify_files
-from lightning_fsdp.checkpoint.shard_reader import ShardReader
-from lightning_fsdp.checkpoint.sharded_load import read_state_files
+from lightning_fsdp.checkpoint.reader import CheckpointReader
 from lightning_fsdp.checkpoint.state import (
     MODEL_LIKE_KEYS,
     TensorPath,
@@ -114,20 +113,16 @@ def consolidate_checkpoint(
         raise ValueError(f"`format` must be 'ckpt' or 'safetensors', got {format!r}.")
     if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
         raise CheckpointError(f"The destination {dst} must be outside the source checkpoint {src}.")
-    manifest = read_manifest(src)
-    if verify:
-        verify_files(src, manifest)
-    metadata, meta, paths = read_state_files(src, manifest)
-    reference = pop_reference(meta, src)
-    base = require_resolver(reference, base_tensors, src)(reference) if reference is not None else {}
-    reader = ShardReader(src, metadata)
+    reader = CheckpointReader(src, verify)  # every byte read once: each entry checked as it is read
+    manifest, meta, paths = reader.manifest, reader.meta, reader.paths
     try:
+        reference = pop_reference(meta, src)
+        base = require_resolver(reference, base_tensors, src)(reference) if reference is not None else {}
         unknown = sorted(set(paths) - set(reader.tensor_keys()))
         if unknown:
             raise CheckpointError(f"{src}: meta.pt lists tensors that .metadata does not hold: {unknown[:5]}.")
         def entry(key: str) -> Entry:
-            md = reader.metadata.state_dict_metadata[key]
-            return (md.properties.dtype, tuple(md.size), lambda: reader.read(key))
+            return (*reader.describe(key), lambda: reader.read(key))
 
         chosen = weight_paths(paths, weights, src)
         # with the average as the weights, the output holds no second copy of it

@@ -2,7 +2,8 @@
 
 A sharded checkpoint is committed only after ``manifest.json`` is written, and a directory without a valid one is
 not a checkpoint. Checksums are computed while the files are written (:class:`HashingWriter`), so a save does not
-read its shards back; verification on load splits the files over the ranks (:func:`assign_files`).
+read its shards back. Since format 2, a shard file has one checksum per DCP entry, so a load verifies what it reads
+as it reads it; files of format 1 manifests are verified in a pass before the load (:func:`assign_files`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from lightning_fsdp.checkpoint.checksums import (
     HASH_ALGORITHM,
     FileEntry,
     NotARegularFile,
+    check_items,
     hash_file,
     kind_of,
     require_regular,
@@ -31,7 +33,8 @@ from lightning_fsdp.checkpoint.errors import CheckpointError
 MANIFEST_NAME = "manifest.json"
 META_NAME = "meta.pt"
 FORMAT_NAME = "lightning_fsdp.sharded"
-FORMAT_VERSION = 1
+#: 2: per-entry checksums of shard files (``items``); 1: one checksum per file (still read)
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class Manifest:
                 "hash_algorithm": self.hash_algorithm,
                 "versions": self.versions,
                 "extra": self.extra,
-                "files": {name: {"size": e.size, "checksum": e.checksum} for name, e in sorted(self.files.items())},
+                "files": {name: _entry_json(e) for name, e in sorted(self.files.items())},
             },
             indent=1,
         )
@@ -98,7 +101,7 @@ class Manifest:
             for name, entry in data["files"].items():
                 if not is_safe_name(name):
                     raise ValueError(f"file name {name!r} is not a plain file name")
-                files[name] = FileEntry(int(entry["size"]), str(entry["checksum"]))
+                files[name] = _entry_from_json(entry)
             return cls(
                 files=files,
                 world_size=int(data["world_size"]),
@@ -114,6 +117,27 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise CheckpointError(f"{where} is not a valid checkpoint manifest: {err}.") from None
+
+
+def _entry_json(entry: FileEntry) -> dict[str, Any]:
+    if entry.items:
+        return {"size": entry.size, "items": [list(item) for item in entry.items]}
+    return {"size": entry.size, "checksum": entry.checksum}
+
+
+def _entry_from_json(data: Mapping[str, Any]) -> FileEntry:
+    size = int(data["size"])
+    if "items" not in data:
+        return FileEntry(size, str(data["checksum"]))
+    items = tuple((int(o), int(n), str(c)) for o, n, c in data["items"])
+    covered = 0
+    for offset, length, _ in items:
+        if offset != covered or length < 1:
+            raise ValueError(f"its checksummed ranges do not cover the file in order (at byte {covered})")
+        covered += length
+    if covered != size:
+        raise ValueError(f"its checksummed ranges cover {covered} of its {size} bytes")
+    return FileEntry(size, "", items)
 
 
 def is_safe_name(name: str) -> bool:
@@ -224,7 +248,11 @@ def check_files(root: Path, manifest: Manifest, names: Iterable[str], *, checksu
         if size != entry.size:
             problems.append(f"{name} has {size} bytes, the manifest says {entry.size} (truncated or overwritten)")
             continue
-        if checksums:
+        if checksums and entry.items:
+            problem = check_items(path, entry, manifest.hash_algorithm)
+            if problem:
+                problems.append(f"{problem} (the file was modified or damaged)")
+        elif checksums:
             actual = hash_file(path, manifest.hash_algorithm, limit=entry.size)
             if actual.checksum != entry.checksum or actual.size != entry.size:
                 problems.append(

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from lightning_fsdp._torch_compat import dcp_metadata_path, dcp_set_element, dcp_unpickle_allowlist
+from lightning_fsdp.checkpoint.checksums import digest
 from lightning_fsdp.checkpoint.errors import CheckpointError
 
 _ALLOWED_CLASSES: dict[tuple[str, str], Any] = {}
@@ -100,6 +101,94 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def read_entry(f: Any, root: Path, name: str, where: tuple[int, int], manifest: Any, checksums: bool = True) -> bytes:
+    """The bytes of one entry of ``root/name`` (open as ``f``), read once, never past the size the manifest gives,
+    and checked against the entry's own checksum before anything parses them (when the manifest has one)."""
+    offset, length = where
+    end = offset + length
+    entry = manifest.files.get(name)
+    if entry is None:
+        raise CheckpointError(f"Checkpoint {root}: {name} is read but not listed in its manifest.")
+    if end > entry.size:
+        raise CheckpointError(
+            f"Checkpoint {root} is inconsistent: .metadata places an entry at bytes {offset}..{end} of {name}, which"
+            f" has {entry.size} bytes in the manifest."
+        )
+    f.seek(offset)
+    data = f.read(length)
+    if len(data) != length:
+        raise CheckpointError(f"Checkpoint {root} is damaged: {name} ends inside bytes {offset}..{end}.")
+    if checksums and entry.items:
+        expected = next((c for o, n, c in entry.items if (o, n) == where), None)
+        if expected is None:
+            raise CheckpointError(
+                f"Checkpoint {root} is inconsistent: bytes {offset}..{end} of {name} are not an entry its manifest"
+                " checksummed."
+            )
+        if digest(data, manifest.hash_algorithm) != expected:
+            raise CheckpointError(
+                f"Checkpoint {root} is damaged: {name} fails its {manifest.hash_algorithm} checksum in bytes"
+                f" {offset}..{end} (the file was modified or damaged). The entries read before it are already"
+                " restored: do not continue from this state; load an earlier checkpoint."
+            )
+    return data
+
+
+class VerifyingFileSystemReader(SafeFileSystemReader):
+    """DCP's reader, reading each entry of a file once and checking it before it is parsed or copied anywhere.
+
+    Each file is opened once; the entries this rank needs are read in file order, each into memory exactly once,
+    checked against its checksum in the manifest (``FileEntry.items``), then unpickled with ``weights_only`` from
+    memory. A file whose manifest entry has no per-entry checksums must have been verified before the load. A
+    mismatch raises a :class:`CheckpointError` naming the file and the bytes; tensors read before it may already be in
+    the model (the caller raises on every rank, so nothing continues from that state).
+    """
+
+    def __init__(self, path: Path | str, manifest: Any) -> None:
+        super().__init__(path)
+        self.root = Path(path)
+        self.manifest = manifest
+
+    def read_data(self, plan: Any, planner: Any) -> torch.futures.Future:
+        per_file: dict[str, list[Any]] = {}
+        for request in plan.items:
+            per_file.setdefault(self.storage_data[request.storage_index].relative_path, []).append(request)
+        for name, requests in per_file.items():
+            self._read_file(name, sorted(requests, key=lambda r: self.storage_data[r.storage_index].offset), planner)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, name: str, requests: list[Any], planner: Any) -> None:
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        last: tuple[Any, bytes] = (None, b"")
+        with open(self.root / name, "rb") as f:
+            for request in requests:
+                info = self.storage_data[request.storage_index]
+                where = (info.offset, info.length)
+                if getattr(info, "transform_descriptors", None):
+                    raise CheckpointError(f"{self.root / name}: entries written with stream transforms are not read.")
+                if last[0] != where:  # an entry several requests need is read and checked once
+                    last = (where, read_entry(f, self.root, name, where, self.manifest))
+                data = last[1]
+                if request.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(request, io.BytesIO(data))
+                    continue
+                tensor = safe_torch_load(io.BytesIO(data), where=f"{self.root / name} (bytes {info.offset}..)")
+                for dim, (offset, length) in enumerate(zip(request.storage_offsets, request.lengths)):
+                    if length < tensor.size(dim):
+                        tensor = tensor.narrow(dim, offset, length)
+                target = planner.resolve_tensor(request).detach()
+                if target.size() != tensor.size():
+                    raise CheckpointError(
+                        f"{self.root / name}: an entry holds shape {tuple(tensor.size())} where .metadata says"
+                        f" {tuple(target.size())}; the checkpoint is inconsistent."
+                    )
+                target.copy_(tensor)
+                planner.commit_tensor(request, target)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

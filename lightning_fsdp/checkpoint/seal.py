@@ -25,7 +25,7 @@ from typing import Any, Union
 
 import torch
 
-from lightning_fsdp.checkpoint.checksums import FileEntry, hash_file
+from lightning_fsdp.checkpoint.checksums import FileEntry, hash_entries, hash_file
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -138,7 +138,13 @@ def seal(path: Union[str, Path]) -> dict[str, Any]:
     tmp = path / (META_NAME + ".tmp")
     torch.save(meta, tmp)
     os.replace(tmp, path / META_NAME)
-    files: dict[str, FileEntry] = {p.name: hash_file(p) for p in sorted(path.iterdir()) if p.name != MANIFEST_NAME}
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for info in metadata.storage_data.values():  # each entry its own checksum, so loads check what they read
+        ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+    files: dict[str, FileEntry] = {
+        p.name: hash_entries(p, ranges[p.name]) if p.name in ranges else hash_file(p)
+        for p in sorted(path.iterdir()) if p.name != MANIFEST_NAME
+    }
     ranks = {r for n in files if (r := shard_rank(n)) is not None}
     world = max(ranks) + 1 if ranks else 1
     manifest = build_manifest(

@@ -77,14 +77,21 @@ def single_process_ok(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 def read_into(targets: dict[str, torch.Tensor], reader: Any, planner: Any, what: str, hint: str) -> None:
-    """Every rank: DCP reads its part of ``targets`` in place (resharding as needed); failures agreed."""
+    """Every rank: DCP reads its part of ``targets`` in place (resharding as needed); failures agreed. When every
+    failure is a :class:`CheckpointError` (a damaged entry, named by the reader), that error is raised as it is."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    agreed(
-        lambda: single_process_ok(dcp.load, targets, storage_reader=reader, planner=planner, no_dist=not is_distributed()),
-        what,
-        hint=hint,
-    )
+    def load() -> None:
+        try:
+            single_process_ok(dcp.load, targets, storage_reader=reader, planner=planner, no_dist=not is_distributed())
+        except CheckpointException as err:
+            failures = [failure for failure, _ in err.failures.values()]
+            if failures and all(isinstance(f, CheckpointError) for f in failures):
+                raise failures[0] from None
+            raise
+
+    agreed(load, what, hint=hint)
 
 
 # -- writing ------------------------------------------------------------------------------------------------------------
@@ -242,3 +249,14 @@ def check_staged(staging: Path, files: Mapping[str, FileEntry], metadata: Any = 
     unknown = sorted(str(r) for r in referenced - set(files))
     if unknown:
         raise CheckpointError(f"The staged checkpoint {staging} references files that were not written: {unknown}.")
+    ranges = {name: {(o, n) for o, n, _ in e.items} or {(0, e.size)} for name, e in files.items()}
+    unhashed = sorted(
+        f"{info.relative_path} bytes {info.offset}..{info.offset + info.length}"
+        for info in metadata.storage_data.values()
+        if (info.offset, info.length) not in ranges[info.relative_path]
+    )
+    if unhashed:  # each entry must have its own checksum, so that a load can check what it reads
+        raise CheckpointError(
+            f"The staged checkpoint {staging} has entries without their own checksum ({unhashed[:3]}); it was not"
+            " committed. The DCP writer wrote its files differently from what this version expects."
+        )

@@ -1,8 +1,12 @@
-"""The sharded format, read: verified before any state changes, resharded to the current world size and mesh.
+"""The sharded format, read: verified as it is read, resharded to the current world size and mesh.
 
-:func:`load`: manifest → checksums (the files split over the ranks) → ``.metadata`` with a restricted unpickler and
-``meta.pt`` with ``weights_only`` → key/dtype/shape checks → the referenced base weights, if any → only then is any
-state changed: shards are read into the current (possibly differently sharded) model and optimizers.
+:func:`load`: manifest → every file's size, and the state files' checksums → ``.metadata`` with a restricted
+unpickler and ``meta.pt`` with ``weights_only`` → key/dtype/shape checks → the referenced base weights, if any → the
+shards, each entry read once and checked against its checksum before it is parsed
+(:class:`~lightning_fsdp.checkpoint.safe_load.VerifyingFileSystemReader`). A damaged entry raises on every rank,
+naming the file; tensors read before it may already be in the model, so the caller must not continue (the Trainer
+does not). Files without per-entry checksums (format-1 manifests, sealed directories) are checked in a pass before
+any state changes, and ``verify_before_load`` does that for every file (two reads of every byte).
 """
 
 from __future__ import annotations
@@ -28,23 +32,16 @@ from lightning_fsdp.checkpoint.compatibility import check_count, check_entry_fit
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.manifest import (
     MANIFEST_NAME,
-    META_NAME,
     Manifest,
     assign_files,
     check_files,
     raise_damaged,
     read_manifest,
-    require_listed,
 )
-from lightning_fsdp.checkpoint.safe_load import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    load_metadata_bytes,
-    safe_torch_load,
-)
+from lightning_fsdp.checkpoint.reader import STATE_FILES, checks_before_reading, read_state_files
+from lightning_fsdp.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, VerifyingFileSystemReader
 from lightning_fsdp.checkpoint.sharded import RESTORE_HINT, agreed, read_into
 from lightning_fsdp.checkpoint.state import (
-    META_KEY,
     MODEL_LIKE_KEYS,
     SHARDED_KEYS,
     TensorPath,
@@ -60,23 +57,6 @@ from lightning_fsdp.parallel.collectives import (
     rank,
     world_size,
 )
-
-
-def read_state_files(path: Path, manifest: Manifest) -> tuple[Any, dict[str, Any], dict[str, TensorPath]]:
-    """``.metadata`` (restricted unpickler), ``meta.pt`` (weights_only) and the storage-key → tensor-path map, each
-    file checked to be covered by the (verified) manifest first."""
-    require_listed(path, manifest, [".metadata", META_NAME])
-    metadata = load_metadata_bytes((path / ".metadata").read_bytes(), path / ".metadata")
-    require_listed(path, manifest, [getattr(i, "relative_path", "") for i in metadata.storage_data.values()])
-    meta = safe_torch_load(path / META_NAME, where=path / META_NAME)
-    if not isinstance(meta, dict) or not isinstance(meta.get(META_KEY), dict):
-        raise CheckpointError(f"{path / META_NAME} is not a lightning_fsdp checkpoint state file.")
-    info = meta.pop(META_KEY)
-    return metadata, meta, {k: tuple(v) for k, v in info["tensors"].items()}
-
-
-#: read by every rank before anything else, so every rank checks them itself (they are small)
-STATE_FILES = (".metadata", META_NAME)
 
 
 def agreed_manifest(path: Path) -> Manifest:
@@ -121,6 +101,7 @@ def load(
     checksums: bool = True,
     resolve_base: Optional[BaseResolver] = None,
     model_entries: Sequence[str] = (),
+    verify_before_load: bool = False,
 ) -> dict[str, Any]:
     """Restore ``model`` and ``optimizers`` from the sharded checkpoint ``path`` (every rank). Returns the rest of
     the Lightning checkpoint. A checkpoint that refers to frozen base weights has them restored by
@@ -128,8 +109,9 @@ def load(
     like the model (``MODEL_LIKE_KEYS``, e.g. an EMA's) that a callback will take, returned resharded like the
     model; other such entries are not read (they would cost memory for nothing).
 
-    The shard files are verified in a background thread while the (already verified) state files are parsed and
-    the targets built, which changes nothing; only when every byte checked out is any state changed.
+    Sizes (and the checksums of files read unverified) are checked in a background thread while the (already
+    verified) state files are parsed and the targets built, which changes nothing. The shards' entries are then
+    checked as they are read (``verify_before_load``: every file is hashed first, as in format 1).
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -168,7 +150,7 @@ def load(
         return meta, saved_paths, referenced, reference, model_sd, optim_sds, targets
 
     with ThreadPoolExecutor(1, thread_name_prefix="lightning_fsdp-verify") as pool:
-        shards = pool.submit(_checked, path, manifest, shard_share(manifest), checksums)
+        shards = pool.submit(checks_before_reading, path, manifest, shard_share(manifest), checksums, verify_before_load)
         problems = _checked(path, manifest, STATE_FILES, checksums)
         prepared: Any = None
         if not problems:
@@ -188,7 +170,8 @@ def load(
         resolve_base(reference)  # the frozen base first: it is not in this checkpoint
     model_sd = {k: v for k, v in model_sd.items() if k not in set(referenced)}
     to_load = {key_of[p]: t for p, t in targets.items() if p in key_of}
-    reader, planner = SafeFileSystemReader(path), SafeLoadPlanner(allow_partial_load=True)
+    reader = VerifyingFileSystemReader(path, manifest) if checksums else SafeFileSystemReader(path)
+    planner = SafeLoadPlanner(allow_partial_load=True)
     read_into(to_load, reader, planner, f"Reading the shards of checkpoint {path}", RESTORE_HINT)
 
     def apply() -> None:

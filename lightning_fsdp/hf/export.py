@@ -31,9 +31,7 @@ from lightning_fsdp.checkpoint import commit as commit_ops
 from lightning_fsdp.checkpoint.base_weights import BaseReference, pop_quantized, pop_reference
 from lightning_fsdp.checkpoint.consolidate import Entry
 from lightning_fsdp.checkpoint.errors import CheckpointError
-from lightning_fsdp.checkpoint.manifest import read_manifest, verify_files
-from lightning_fsdp.checkpoint.shard_reader import ShardReader
-from lightning_fsdp.checkpoint.sharded_load import read_state_files
+from lightning_fsdp.checkpoint.reader import CheckpointReader
 from lightning_fsdp.checkpoint.state import weight_paths
 from lightning_fsdp.formatting import parse_bytes, short_list
 from lightning_fsdp.hf.conversion import revert_tensor
@@ -61,20 +59,16 @@ class CheckpointTensors:
         weights: str = "model",
         merge_into: str = "original",
     ) -> None:
-        manifest = read_manifest(src)
-        if verify:
-            verify_files(src, manifest)
-        metadata, meta, paths = read_state_files(src, manifest)
+        self.reader = CheckpointReader(src, verify)  # each entry checked as it is read
+        meta = self.reader.meta
         self.src = src
         self.info: Optional[dict[str, Any]] = meta.get(HF_ENTRY)
         self.meta = meta
-        self.reader = ShardReader(src, metadata)
         self.sources: dict[str, Source] = {}
         self.shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        for name, key in weight_paths(paths, weights, src).items():
-            md = metadata.state_dict_metadata[key]
+        for name, key in weight_paths(self.reader.paths, weights, src).items():
             self.sources[name] = lambda key=key: self.reader.read(key)
-            self.shapes[name] = (md.properties.dtype, tuple(md.size))
+            self.shapes[name] = self.reader.describe(key)
         reference = pop_reference(meta, src)
         quantized = pop_quantized(meta, src)
         self.base_root: Optional[Path] = None
