@@ -153,7 +153,7 @@ def test_damaged_shard_is_rejected_on_every_rank(tmp_path, base):
     ckpt = _copy_last(base, tmp_path)
     _flip_byte(ckpt / "__1_0.distcp")
     message = _load_fails_on_every_rank(tmp_path, ckpt)
-    assert "is damaged and was not loaded" in message and "__1_0.distcp fails its crc32 checksum" in message
+    assert "is damaged: __1_0.distcp fails its crc32c checksum in bytes" in message and "do not continue" in message
 
 
 @pytest.mark.parametrize("case", sorted(REFUSALS))

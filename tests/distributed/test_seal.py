@@ -27,8 +27,22 @@ MODEL = {"shard_myself": True}
 
 
 def cli(*args, timeout=120):
+    """``lightning-fsdp ARGS`` as a user runs it: a fresh process."""
     return subprocess.run([sys.executable, "-m", "lightning_fsdp", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=child_env(), cwd=REPO)
+
+
+def cli_here(*args):
+    """The same command's ``main`` in this process (what the entry point calls), without a start-up per call."""
+    import contextlib
+    import io
+
+    from lightning_fsdp.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +77,9 @@ def sealed(workdir, model_parallel):
 def test_unsealed_directory_is_refused_with_the_fix_named(model_parallel):
     with pytest.raises(CheckpointError, match=r"lightning-fsdp seal .*epoch=0-step=4\.ckpt"):
         read_manifest(model_parallel["step4"])
-    proc = cli("verify", model_parallel["step4"])
+    proc = cli_here("verify", model_parallel["step4"])
     assert proc.returncode == 1 and "NOT OK" in proc.stderr and "lightning-fsdp seal" in proc.stderr
-    proc = cli("inspect", model_parallel["step4"], "--json")
+    proc = cli_here("inspect", model_parallel["step4"], "--json")
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     assert info["sealed"] is False and info["fix"].startswith("lightning-fsdp seal")
@@ -88,15 +102,15 @@ def test_seal_checks_completeness_and_never_twice(tmp_path, model_parallel, seal
     partial = tmp_path / "partial.ckpt"
     shutil.copytree(model_parallel["step4"], partial)
     next(partial.glob("__1_*.distcp")).unlink()
-    proc = cli("seal", partial)
+    proc = cli_here("seal", partial)
     assert proc.returncode == 1 and "not a complete DCP checkpoint" in proc.stderr and "__1_0.distcp is missing" in proc.stderr
     assert not (partial / MANIFEST_NAME).exists()
     no_metadata = tmp_path / "unfinished.ckpt"
     shutil.copytree(model_parallel["step4"], no_metadata)
     (no_metadata / ".metadata").unlink()
-    proc = cli("seal", no_metadata)
+    proc = cli_here("seal", no_metadata)
     assert proc.returncode == 1 and "has no .metadata" in proc.stderr
-    proc = cli("seal", sealed)
+    proc = cli_here("seal", sealed)
     assert proc.returncode == 1 and "already has a manifest.json" in proc.stderr
 
 
@@ -116,7 +130,7 @@ def test_crafted_pickle_runs_no_code_when_sealed_or_loaded(tmp_path, model_paral
     foreign = tmp_path / "foreign.ckpt"
     shutil.copytree(model_parallel["step4"], foreign)
     (foreign / target).write_bytes(pickle.dumps(_RunsCode(marker)))
-    proc = cli("seal", foreign)
+    proc = cli_here("seal", foreign)
     assert proc.returncode == 1 and "Refusing to load" in proc.stderr and "executed" in proc.stderr
     assert not marker.exists() and not (foreign / MANIFEST_NAME).exists()
 
@@ -131,7 +145,7 @@ def test_crafted_pickle_runs_no_code_when_sealed_or_loaded(tmp_path, model_paral
     (copy / MANIFEST_NAME).write_text(json.dumps(manifest))
     verify_checkpoint(copy)  # the checksums agree: only the unpickler stands in the way
     for command in (("inspect", copy), ("consolidate", copy, tmp_path / "out.ckpt")):
-        proc = cli(*command)
+        proc = cli_here(*command)
         assert proc.returncode != 0 and "Refusing to load" in proc.stderr, proc.stderr
     assert not marker.exists()
 
@@ -139,12 +153,12 @@ def test_crafted_pickle_runs_no_code_when_sealed_or_loaded(tmp_path, model_paral
 def test_verify_and_inspect_good_and_damaged(tmp_path, sealed):
     proc = cli("verify", sealed)
     assert proc.returncode == 0 and ": OK (" in proc.stdout and "checksums match" in proc.stdout, proc.stderr
-    proc = cli("inspect", sealed)
+    proc = cli_here("inspect", sealed)
     assert proc.returncode == 0, proc.stderr
     assert "sharded directory" in proc.stdout and "saved on 2 rank(s)" in proc.stdout and "global step 4" in proc.stdout
-    info = json.loads(cli("inspect", sealed, "--json").stdout)
+    info = json.loads(cli_here("inspect", sealed, "--json").stdout)
     assert info["sealed"] and info["world_size"] == 2 and info["global_step"] == 4 and info["epoch"] == 0
-    assert info["checksum"] == "crc32" and info["files"] == len(list(sealed.iterdir())) - 1
+    assert info["checksum"] == "crc32c" and info["files"] == len(list(sealed.iterdir())) - 1
     assert set(info["tensors"]) == {"model", "optimizer 0"}
     assert info["not_optimized"] == ["net.head.weight"]  # tied to net.emb.weight: it has no optimizer state of its own
     assert "torch" in info["versions"]
@@ -155,11 +169,11 @@ def test_verify_and_inspect_good_and_damaged(tmp_path, sealed):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    proc = cli("verify", damaged)
-    assert proc.returncode == 1 and f"{shard.name} fails its crc32 checksum" in proc.stderr
-    assert cli("verify", damaged, "--no-checksums").returncode == 0  # the quick check: sizes only
+    proc = cli_here("verify", damaged)
+    assert proc.returncode == 1 and f"{shard.name} fails its crc32c checksum" in proc.stderr
+    assert cli_here("verify", damaged, "--no-checksums").returncode == 0  # the quick check: sizes only
     shard.write_bytes(bytes(data[:-10]))
-    proc = cli("verify", damaged, "--no-checksums")
+    proc = cli_here("verify", damaged, "--no-checksums")
     assert proc.returncode == 1 and "truncated or overwritten" in proc.stderr
 
 

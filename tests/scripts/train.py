@@ -293,6 +293,12 @@ def main(spec: dict) -> None:
         mine = torch.tensor([ema.average_bytes()])
         result["ema_bytes"] = trainer.strategy.all_gather(mine).reshape(-1).tolist()
         result["ema_devices"] = sorted({str(t.device) for t in ema.average_tensors()})
+    optimizer = trainer.optimizers[0] if trainer.optimizers else None
+    result["dtypes"] = {  # what this rank stores: parameters (local shards) and optimizer state
+        "params": sorted({str(p.dtype) for p in trainer.lightning_module.parameters()}),
+        "optimizer": sorted({str(v.dtype) for st in (optimizer.state.values() if optimizer else [])
+                             for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor)}),
+    }
     if hasattr(trainer.strategy, "state_bytes"):
         sb = trainer.strategy.state_bytes().as_dict()
         gathered = trainer.strategy.all_gather(torch.tensor([sb["params"], sb["grads"], sb["optimizer"]]))

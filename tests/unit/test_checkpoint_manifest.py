@@ -87,7 +87,7 @@ def test_check_files_names_every_problem(tmp_path):
     (tmp_path / "short").write_bytes(b"abc")
     problems = check_files(tmp_path, manifest, sorted(manifest.files))
     assert problems == [
-        "flipped fails its crc32 checksum (the file was modified or damaged)",
+        "flipped fails its crc32c checksum (the file was modified or damaged)",
         "gone is missing",
         "short has 3 bytes, the manifest says 6 (truncated or overwritten)",
     ]

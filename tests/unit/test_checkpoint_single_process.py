@@ -90,19 +90,78 @@ def test_overwrite_keeps_one_directory(saved):
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
 
 
-def test_flipped_byte_is_detected_before_any_state_changes(saved):
-    path, _, _ = saved
-    shard = path / "__0_0.distcp"
-    data = bytearray(shard.read_bytes())
+def _flip_middle_byte(path):
+    data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_byte_is_detected_as_it_is_read(saved):
+    """Each entry is checked before it is parsed: the load raises, naming the file and the bytes."""
+    path, _, _ = saved
+    _flip_middle_byte(path / "__0_0.distcp")
+    fresh, fresh_opt = _model_and_optimizer(1)
+    with pytest.raises(CheckpointError, match=r"is damaged: __0_0\.distcp fails its crc32c checksum in bytes \d+\.\.\d+"):
+        Checkpointer().load(path, fresh, [fresh_opt])
+
+
+def test_verify_before_load_changes_nothing_when_a_byte_is_flipped(saved):
+    path, _, _ = saved
+    _flip_middle_byte(path / "__0_0.distcp")
     fresh, fresh_opt = _model_and_optimizer(1)
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     with pytest.raises(
-        CheckpointError, match=r"is damaged and was not loaded: __0_0\.distcp fails its crc32 checksum"
+        CheckpointError, match=r"is damaged and was not loaded: __0_0\.distcp fails its crc32c checksum in bytes"
     ):
-        Checkpointer().load(path, fresh, [fresh_opt])
+        Checkpointer(verify_before_load=True).load(path, fresh, [fresh_opt])
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_each_shard_file_is_opened_and_read_once_per_load(saved, monkeypatch):
+    """One pass: every byte of the shard file is read once, by the load itself (no checksum pass before it)."""
+    import builtins
+
+    path, _, _ = saved
+    shard = path / "__0_0.distcp"
+    opened, read = [], [0]
+    real_open = builtins.open
+
+    class Counted:
+        def __init__(self, f):
+            self._f = f
+
+        def read(self, *args):
+            data = self._f.read(*args)
+            read[0] += len(data)
+            return data
+
+        def readinto(self, buffer):
+            n = self._f.readinto(buffer)
+            read[0] += n or 0
+            return n
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self._f.__exit__(*exc)
+
+    def counting_open(file, *args, **kwargs):
+        f = real_open(file, *args, **kwargs)
+        if str(file) == str(shard):
+            opened.append(file)
+            return Counted(f)
+        return f
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    fresh, fresh_opt = _model_and_optimizer(1)
+    Checkpointer().load(path, fresh, [fresh_opt])
+    monkeypatch.undo()
+    assert len(opened) == 1 and read[0] == shard.stat().st_size, (opened, read[0], shard.stat().st_size)
+    assert _equal_state(saved[1], fresh)
 
 
 def test_directory_without_manifest_is_not_a_checkpoint(saved):
@@ -317,18 +376,22 @@ def test_a_file_longer_than_its_manifest_says_is_refused_without_reading_past_it
         Checkpointer().load(path, _model_and_optimizer(1)[0])
 
 
-def test_checkpoints_verified_with_sha256_before_the_switch_to_crc32_still_load(saved):
-    """Manifests written before checksums moved to CRC-32 record SHA-256: they verify as they are."""
+@pytest.mark.parametrize("algorithm", ["sha256", "crc32"])
+def test_format_1_checkpoints_with_one_checksum_per_file_still_load(saved, algorithm):
+    """Manifests of format 1 record one checksum per file: SHA-256 before the switch to CRC-32, then CRC-32. They
+    verify as they are, each file in a pass before the load."""
     path, model, opt = saved
     manifest = json.loads((path / MANIFEST_NAME).read_text())
-    manifest["hash_algorithm"] = "sha256"
+    manifest["hash_algorithm"], manifest["format_version"] = algorithm, 1
     for name in manifest["files"]:
-        manifest["files"][name]["checksum"] = hash_file(path / name, "sha256").checksum
+        manifest["files"][name] = {"size": (path / name).stat().st_size, "checksum": hash_file(path / name, algorithm).checksum}
     (path / MANIFEST_NAME).write_text(json.dumps(manifest))
     fresh, _ = _model_and_optimizer(1)
     Checkpointer().load(path, fresh)
     assert _equal_state(model, fresh)
-    assert json.loads((path / MANIFEST_NAME).read_text())["hash_algorithm"] == "sha256"
+    assert json.loads((path / MANIFEST_NAME).read_text())["hash_algorithm"] == algorithm
     new = path.parent / "new.ckpt"
     Checkpointer().save_sharded(_lightning_checkpoint(model, opt), new)
-    assert json.loads((new / MANIFEST_NAME).read_text())["hash_algorithm"] == "crc32"
+    written = json.loads((new / MANIFEST_NAME).read_text())
+    assert written["hash_algorithm"] == "crc32c" and written["format_version"] == 2
+    assert len(written["files"]["__0_0.distcp"]["items"]) > 1  # one checksum per entry
