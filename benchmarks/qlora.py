@@ -68,8 +68,8 @@ def worker(peer: str, model_dir: Path, out: Path, steps: int, batch: int, seq: i
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     config = AutoConfig.from_pretrained(model_dir)
-    with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config)
+    with parameters_on_meta():  # fp32 master weights, as training needs (the files are bf16, like the Hub's)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         if peer != "full":
             from peft import LoraConfig, get_peft_model
 
@@ -160,7 +160,7 @@ def main() -> None:
         return
     import tempfile
 
-    world, steps, batch, seq = (2, 3, 2, 32) if args.quick else (2, 6, 2, 256)
+    world, steps, batch, seq = (2, 3, 2, 32) if args.quick else (2, 4, 2, 128)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model_dir = tmp / "llama"
