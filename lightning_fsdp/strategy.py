@@ -71,6 +71,8 @@ class FSDPCustomStrategy(MeshStrategy):
         state_dict_type: ``"sharded"`` writes a checkpoint directory, every rank its own shards, in parallel;
             ``"full"`` gathers to rank 0 and writes one ordinary ``.ckpt`` file.
         async_save: write sharded checkpoints in the background while training continues.
+        verify_before_load: hash every file of a sharded checkpoint before any state changes (a second read of
+            every byte); by default each entry is checked as it is read, once.
         pretrained_weights: loaded into the sharded model right after sharding: a Hugging Face model directory or a
             ``.safetensors`` file (every rank reads only its own shards), or a full ``.ckpt``/``.pt`` state dict (rank
             0 reads, the other ranks receive only their shards). Sharded checkpoints then leave out the frozen
@@ -108,6 +110,7 @@ class FSDPCustomStrategy(MeshStrategy):
         timeout: Union[float, timedelta] = 1800.0,
         state_dict_type: StateDictType = "sharded",
         async_save: bool = False,
+        verify_before_load: bool = False,
         pretrained_weights: Optional[compat.PATH] = None,
         pretrained_key_map: Optional[dict[str, str]] = None,
         compile: CompileArg = False,
@@ -142,6 +145,7 @@ class FSDPCustomStrategy(MeshStrategy):
         self.quantized_base: Optional[QuantizedBase] = None  # what setup quantized
         self.state_dict_type: StateDictType = state_dict_type
         self.async_save = bool(async_save)
+        self.verify_before_load = bool(verify_before_load)
         self.pretrained_weights = pretrained_weights
         self.pretrained_key_map = dict(pretrained_key_map) if pretrained_key_map else None
         self.pretrained_base: Optional[BaseReference] = None  # the safetensors base loaded at setup
@@ -310,7 +314,7 @@ class FSDPCustomStrategy(MeshStrategy):
         if self._checkpointer is None:
             from lightning_fsdp.checkpoint import Checkpointer
 
-            self._checkpointer = Checkpointer(async_save=self.async_save)
+            self._checkpointer = Checkpointer(async_save=self.async_save, verify_before_load=self.verify_before_load)
         return self._checkpointer
 
     @override

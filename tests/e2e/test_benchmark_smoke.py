@@ -60,16 +60,20 @@ def test_quick_hf_load_benchmark_runs_every_peer(tmp_path):
 
 
 @pytest.mark.slow
-def test_quick_verify_cost_benchmark_times_every_phase(tmp_path):
-    proc = run_python([str(REPO / "benchmarks" / "verify_cost.py"), "--quick", "--out", str(tmp_path)], timeout=300)
+def test_quick_checkpoint_io_benchmark_times_every_peer_and_phase(tmp_path):
+    proc = run_python([str(REPO / "benchmarks" / "checkpoint_io.py"), "--quick", "--out", str(tmp_path)], timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    data = json.loads((tmp_path / "verify_cost_quick.json").read_text())
-    ranks = data["results"]["2"]["ranks"]
-    assert len(ranks) == 2
-    for rank in ranks:
-        verified, unverified = rank["loads"]["verified"], rank["loads"]["unverified"]
-        assert len(verified) == len(unverified) == 2
-        assert all(x["_checked"] > 0 and x["read_into"] > 0 for x in verified)  # the checksum pass ran
-        assert all(x["read_into"] > 0 for x in unverified)
-    assert data["results"]["2"]["one_core"]["crc32_in_memory_gbps"] > 0
-    assert "checksum pass" in (tmp_path / "verify_cost_quick.md").read_text()
+    data = json.loads((tmp_path / "checkpoint_io_quick.json").read_text())
+    result = data["tiny, 2"]
+    assert len(result["ranks"]) == 2
+    rows = result["ranks"][0]
+    ops = {(row["op"], row["peer"]) for row in rows}
+    assert {("save", "ours"), ("save", "dcp"), ("load (warm)", "ours"), ("load (warm)", "ours_two_pass"),
+            ("load (warm)", "dcp")} <= ops
+    phases = {row["peer"]: row["phases"] for row in rows if row["op"] == "load (warm)"}
+    assert phases["ours"]["load: DCP read + verification"] > 0 and phases["ours"]["CRC-32C"] > 0
+    assert phases["dcp"] == {}  # the peer runs none of our code
+    save = next(row["phases"] for row in rows if row["op"] == "save" and row["peer"] == "ours")
+    assert save["save: DCP write + hashing"] > 0 and save["fsync"] > 0
+    text = (tmp_path / "checkpoint_io_quick.md").read_text()
+    assert "ours × dcp" in text and "Where our time goes" in text

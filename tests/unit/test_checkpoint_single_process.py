@@ -115,6 +115,10 @@ def test_verify_before_load_changes_nothing_when_a_byte_is_flipped(saved):
     ):
         Checkpointer(verify_before_load=True).load(path, fresh, [fresh_opt])
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+    from lightning_fsdp import FSDPCustomStrategy
+
+    assert FSDPCustomStrategy(verify_before_load=True).checkpointer.verify_before_load  # the strategy's switch
+    assert not FSDPCustomStrategy().checkpointer.verify_before_load
 
 
 def test_each_shard_file_is_opened_and_read_once_per_load(saved, monkeypatch):
