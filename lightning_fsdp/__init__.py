@@ -1,11 +1,13 @@
-"""lightning_fsdp: FSDP2 (``fully_shard``) for any LightningModule through one Trainer flag.
+"""lightning_fsdp: FSDP2 (``fully_shard``) for any LightningModule through one Trainer flag, and for Fabric loops.
 
-``import lightning_fsdp`` registers ``fsdp_custom``, ``fsdp_custom_offload`` and ``fsdp_custom_hybrid``.
+``import lightning_fsdp`` registers ``fsdp_custom``, ``fsdp_custom_offload``, ``fsdp_custom_hybrid`` and
+``fsdp_custom_qlora`` for ``Trainer(strategy=...)`` and ``Fabric(strategy=...)``.
 """
 
 from lightning_fsdp._version import __version__
 from lightning_fsdp.averaging import ShardedEMA
 from lightning_fsdp.checkpoint import CheckpointError, consolidate_checkpoint, load_pretrained, verify_checkpoint
+from lightning_fsdp.fabric import FSDP2FabricPrecision, FSDPCustomFabricStrategy
 from lightning_fsdp.memory import MemoryReport, StateBytes, local_state_bytes
 from lightning_fsdp.parallel import MeshShape, resolve_mesh_shape
 from lightning_fsdp.precision import FSDP2Precision
@@ -13,6 +15,7 @@ from lightning_fsdp.registry import (
     StrategySpec,
     discover_strategies,
     load_discovered_strategies,
+    register_fabric_strategies,
     register_strategies,
 )
 from lightning_fsdp.resilience import PREEMPTED_EXIT_CODE, SafeOnExceptionCheckpoint, preemption_requested
@@ -23,7 +26,9 @@ __all__ = [
     "__version__",
     "PREEMPTED_EXIT_CODE",
     "CheckpointError",
+    "FSDP2FabricPrecision",
     "FSDP2Precision",
+    "FSDPCustomFabricStrategy",
     "FSDPCustomStrategy",
     "MemoryReport",
     "MeshShape",
@@ -38,6 +43,7 @@ __all__ = [
     "load_pretrained",
     "local_state_bytes",
     "preemption_requested",
+    "register_fabric_strategies",
     "register_strategies",
     "resolve_mesh_shape",
     "select_units",
@@ -45,3 +51,4 @@ __all__ = [
 ]
 
 register_strategies()
+register_fabric_strategies()

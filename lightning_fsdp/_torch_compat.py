@@ -22,6 +22,10 @@ import torch
 from lightning.fabric.strategies.launchers.subprocess_script import (
     _set_num_threads_if_needed as set_num_threads_if_needed,
 )
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as FabricSubprocessScriptLauncher,
+)
+from lightning.fabric.strategies.strategy import _BackwardSyncControl as FabricBackwardSyncControl
 from lightning.fabric.utilities.distributed import _distributed_is_initialized as distributed_is_initialized
 from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
@@ -49,6 +53,8 @@ __all__ = [
     "ForwardRedirection",
     "RootForwardRedirection",
     "SubprocessScriptLauncher",
+    "FabricBackwardSyncControl",
+    "FabricSubprocessScriptLauncher",
     "attached_trainer",
     "batches_processed",
     "compile_errors",

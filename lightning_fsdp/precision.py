@@ -123,8 +123,70 @@ def mixed_precision_policy(precision: str, override_policy: MixedPrecisionArg = 
     return MixedPrecisionPolicy(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
 
 
+class PrecisionPolicy:
+    """One precision flag's behaviour, independent of the front end: FSDP2's dtype policy, what the model is
+    converted to before sharding, the init dtype, the forward's autocast, input casts and the loss scaler.
+    The Trainer's :class:`FSDP2Precision` and Fabric's plugin (:mod:`lightning_fsdp.fabric`) both delegate here.
+    """
+
+    def __init__(self, precision: Any = "32-true", mixed_precision: MixedPrecisionArg = None) -> None:
+        self.precision = normalize_precision(precision)
+        self.mixed_precision = mixed_precision
+        self.spec = PRECISIONS[self.precision]
+        self.device_type = "cpu"
+
+    @cached_property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        return mixed_precision_policy(self.precision, self.mixed_precision)
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.precision.endswith("-mixed")
+
+    @cached_property
+    def compute_dtype(self) -> torch.dtype:
+        return self.mp_policy.param_dtype or self.spec.storage_dtype
+
+    @property
+    def converts_storage(self) -> bool:
+        return self.precision.endswith("-true") and self.spec.storage_dtype != torch.float32
+
+    def make_scaler(self, scaler: Any = None) -> Any:
+        """``16-mixed``: a ``ShardedGradScaler`` (its inf/NaN check is agreed across ranks); no other flag takes one."""
+        if scaler is None and self.precision == "16-mixed":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler(device="cuda" if torch.cuda.is_available() else "cpu")
+        if scaler is not None and self.precision != "16-mixed":
+            raise ValueError(f"precision={self.precision!r} does not use a gradient scaler; remove `scaler`.")
+        return scaler
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(dtype=self.spec.storage_dtype) if self.converts_storage else module
+
+    def init_context(self) -> Any:
+        return _default_dtype(self.spec.storage_dtype) if self.converts_storage else nullcontext()
+
+    def convert_input(self, data: Any) -> Any:
+        if not self.converts_storage:
+            return data
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        dtype = self.spec.storage_dtype
+        return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """``*-mixed``: autocast stays on so numerically sensitive ops (softmax, losses) run in fp32."""
+        if self.is_mixed:
+            with torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False):
+                yield
+        else:
+            yield
+
+
 class FSDP2Precision(Precision):
-    """Precision plugin for FSDP2: the dtype policy goes into ``fully_shard``; this plugin handles the rest.
+    """The Trainer's precision plugin for FSDP2: the dtype policy goes into ``fully_shard``; this plugin handles the rest.
 
     - ``*-mixed``: fp32 sharded master weights, low-precision all-gather and compute; autocast stays on so
       numerically sensitive ops (softmax, losses) run in fp32 as users expect from Lightning's mixed modes.
@@ -133,17 +195,9 @@ class FSDP2Precision(Precision):
     """
 
     def __init__(self, precision: Any = "32-true", mixed_precision: MixedPrecisionArg = None, scaler: Any = None) -> None:
-        self.precision = normalize_precision(precision)  # type: ignore[assignment]
-        self.mixed_precision = mixed_precision
-        self.spec = PRECISIONS[self.precision]
-        if scaler is None and self.precision == "16-mixed":
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            scaler = ShardedGradScaler(device="cuda" if torch.cuda.is_available() else "cpu")
-        if scaler is not None and self.precision != "16-mixed":
-            raise ValueError(f"precision={self.precision!r} does not use a gradient scaler; remove `scaler`.")
-        self.scaler = scaler
-        self.device_type = "cpu"
+        self.policy = PrecisionPolicy(precision, mixed_precision)
+        self.precision = self.policy.precision  # type: ignore[assignment]
+        self.scaler = self.policy.make_scaler(scaler)
         #: shared with the non-finite step check, so a clipped step computes one norm (set by the strategy)
         self.grad_norm = StepGradNorm()
 
@@ -159,52 +213,50 @@ class FSDP2Precision(Precision):
             )
         return cls(getattr(plugin, "precision", "32-true"), mixed_precision=mixed_precision)
 
-    @cached_property
+    @property
+    def device_type(self) -> str:
+        return self.policy.device_type
+
+    @device_type.setter
+    def device_type(self, value: str) -> None:
+        self.policy.device_type = value
+
+    @property
+    def spec(self) -> PrecisionSpec:
+        return self.policy.spec
+
+    @property
     def mp_policy(self) -> MixedPrecisionPolicy:
-        return mixed_precision_policy(self.precision, self.mixed_precision)
+        return self.policy.mp_policy
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.policy.compute_dtype
 
     @property
     def is_mixed(self) -> bool:
-        return self.precision.endswith("-mixed")
-
-    @cached_property
-    def compute_dtype(self) -> torch.dtype:
-        return self.mp_policy.param_dtype or self.spec.storage_dtype
-
-    @property
-    def _converts_storage(self) -> bool:
-        return self.precision.endswith("-true") and self.spec.storage_dtype != torch.float32
+        return self.policy.is_mixed
 
     # -- module and tensor dtypes --------------------------------------------------------------------------------
     @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return module.to(dtype=self.spec.storage_dtype) if self._converts_storage else module
+        return self.policy.convert_module(module)
 
     @override
     def tensor_init_context(self):
-        return _default_dtype(self.spec.storage_dtype) if self._converts_storage else nullcontext()
+        return self.policy.init_context()
 
     @override
     def module_init_context(self):
-        return self.tensor_init_context()
+        return self.policy.init_context()
 
     @override
     def convert_input(self, data: Any) -> Any:
-        if not self._converts_storage:
-            return data
-        from lightning.fabric.utilities.apply_func import apply_to_collection
-
-        dtype = self.spec.storage_dtype
-        return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        return self.policy.convert_input(data)
 
     @override
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        if self.is_mixed:
-            with torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False):
-                yield
-        else:
-            yield
+    def forward_context(self):
+        return self.policy.forward_context()
 
     # -- loss scaling (16-mixed) -------------------------------------------------------------------------------
     @override

@@ -12,6 +12,8 @@ from importlib.metadata import entry_points
 from typing import Any
 
 ENTRY_POINT_GROUP = "lightning.pytorch.strategies"
+#: the Fabric front end of every name (same arguments, ``Fabric(strategy=name)``)
+FABRIC_TARGET = "lightning_fsdp.fabric.strategy:FSDPCustomFabricStrategy"
 
 
 @dataclass(frozen=True)
@@ -23,13 +25,15 @@ class StrategySpec:
     description: str
     init_params: dict[str, Any] = field(default_factory=dict)
 
-    def load_class(self) -> type:
-        module_name, _, attr = self.target.partition(":")
+    def load_class(self, target: str = "") -> type:
+        module_name, _, attr = (target or self.target).partition(":")
         module = __import__(module_name, fromlist=[attr])
         return getattr(module, attr)
 
-    def register(self, registry: Any, override: bool = True) -> None:
-        registry.register(self.name, self.load_class(), description=self.description, override=override, **self.init_params)
+    def register(self, registry: Any, override: bool = True, target: str = "") -> None:
+        registry.register(
+            self.name, self.load_class(target), description=self.description, override=override, **self.init_params
+        )
 
 
 _TARGET = "lightning_fsdp.strategy:FSDPCustomStrategy"
@@ -66,6 +70,16 @@ def register_strategies(registry: Any = None) -> list[str]:
         from lightning.pytorch.strategies import StrategyRegistry as registry
     for spec in STRATEGIES:
         spec.register(registry, override=True)
+    return [spec.name for spec in STRATEGIES]
+
+
+def register_fabric_strategies(registry: Any = None) -> list[str]:
+    """The same names in Fabric's registry (``lightning.fabric.strategies.STRATEGY_REGISTRY`` by default), for
+    :class:`~lightning_fsdp.fabric.FSDPCustomFabricStrategy`. Safe to call twice."""
+    if registry is None:
+        from lightning.fabric.strategies import STRATEGY_REGISTRY as registry
+    for spec in STRATEGIES:
+        spec.register(registry, override=True, target=FABRIC_TARGET)
     return [spec.name for spec in STRATEGIES]
 
 

@@ -34,7 +34,9 @@ def describe_hf_model(module: nn.Module) -> Optional[dict[str, Any]]:
     peft_name, adapters = None, {}
     for candidate_name, candidate in module.named_modules():
         configs = getattr(candidate, "peft_config", None)
-        if isinstance(configs, dict) and configs and type(candidate).__module__.startswith("peft."):
+        # the class's MRO, not the class: fully_shard swaps a unit's class for a subclass defined in torch
+        from_peft = any(cls.__module__.startswith("peft.") for cls in type(candidate).__mro__)
+        if isinstance(configs, dict) and configs and from_peft:
             peft_name = candidate_name
             adapters = {adapter: _plain(config.to_dict()) for adapter, config in configs.items()}
             break

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("planner", {"planner"}),
     ("registry", {"registry"}),
     ("process hooks", {"mesh_strategy"}),
-    ("hooks", {"strategy"}),
+    ("hooks", {"strategy", "fabric"}),  # the Trainer's and Fabric's front ends: neither imports the other
     ("app", {"cli", "train", "train_config", "models", "data", "commands", "__init__", "__main__"}),
 ]
 LAYER_OF = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
@@ -89,6 +89,28 @@ def test_imports_only_point_down():
             if LAYER_OF[imported] >= LAYER_OF[own] and not (LAYERS[LAYER_OF[own]][0] == "app" == LAYERS[LAYER_OF[imported]][0]):
                 wrong.append(f"{path.relative_to(PACKAGE)}:{line} ({LAYERS[LAYER_OF[own]][0]}) imports {imported}")
     assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
+
+
+def _external_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_each_front_end_imports_only_its_own_lightning_half():
+    """The Fabric front end never reaches for the Trainer's package; the Trainer's strategy hooks never for Fabric's
+    strategies (the shared plugin interfaces and utilities live in ``lightning.fabric`` and are fine)."""
+    fabric = [p for p in _modules() if _top(p) == "fabric"]
+    assert fabric, "the Fabric front end moved; update this test"
+    wrong = [f"{p.relative_to(PACKAGE)} imports {name}" for p in fabric for name in _external_imports(p)
+             if name.split(".")[:2] == ["lightning", "pytorch"]]
+    wrong += [f"strategy.py imports {name}" for name in _external_imports(PACKAGE / "strategy.py")
+              if name.startswith("lightning.fabric.strategies")]
+    assert not wrong, "\n".join(wrong)
 
 
 def _private_uses(tree: ast.AST) -> list[tuple[int, str]]:

@@ -1,0 +1,391 @@
+"""``FSDPCustomFabricStrategy``: ``Fabric(strategy="fsdp_custom")`` for hand-written loops.
+
+The Fabric front end over the same lower layers as the Trainer's :class:`~lightning_fsdp.FSDPCustomStrategy`:
+the replicate × shard mesh (:mod:`lightning_fsdp.parallel`), model preparation — auto-wrap, activation
+checkpointing, compile, meta-device materialisation, pretrained weights read straight into the shards, the NF4 base
+(:func:`~lightning_fsdp.preparation.prepare_model`) — sharded clipping, the precision table, and the verified,
+atomic, resharding checkpoint directory (:class:`~lightning_fsdp.checkpoint.Checkpointer`). Fabric's state dict is
+mapped onto that directory by :mod:`lightning_fsdp.fabric.checkpoint`, so both front ends read each other's
+checkpoints and every ``lightning-fsdp`` command reads both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import ExitStack, contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import ClusterEnvironment, Precision
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.utilities.distributed import group as lightning_group
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_fsdp import _torch_compat as compat
+from lightning_fsdp.checkpoint.base_weights import BaseReference
+from lightning_fsdp.checkpoint.checkpointer import Checkpointer
+from lightning_fsdp.fabric.checkpoint import FabricState, restore_entries, to_checkpoint
+from lightning_fsdp.fabric.precision import FSDP2FabricPrecision
+from lightning_fsdp.hf import resolve_base
+from lightning_fsdp.hf.info import annotate_checkpoint
+from lightning_fsdp.parallel import mesh as mesh_utils
+from lightning_fsdp.parallel import process_group
+from lightning_fsdp.parallel.grad_norm import clip_grad_norm_
+from lightning_fsdp.precision import MixedPrecisionArg
+from lightning_fsdp.preparation import Preparation, prepare_model
+from lightning_fsdp.resilience.preemption import Preemption
+from lightning_fsdp.sharding import ShardingPlan, WrapPolicy, parameters_on_meta
+from lightning_fsdp.sharding.compile import CompileArg
+from lightning_fsdp.sharding.quantize import QuantizedBase
+
+
+class _NoGradientSync(compat.FabricBackwardSyncControl):
+    """``fabric.no_backward_sync``: accumulate locally, no reduce-scatter until the last micro-batch."""
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> Any:
+        return _without_gradient_sync(module) if enabled else nullcontext()
+
+
+@contextmanager
+def _without_gradient_sync(module: Module) -> Generator[None, None, None]:
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+class FSDPCustomFabricStrategy(ParallelStrategy):
+    """Fully Sharded Data Parallel (FSDP2) for Fabric loops: ``Fabric(strategy="fsdp_custom")``.
+
+    Takes the Trainer strategy's model arguments (``auto_wrap_policy``, ``activation_checkpointing_policy``,
+    ``mixed_precision``, ``cpu_offload``, ``reshard_after_forward``, ``replicate_size``/``shard_size`` for HSDP,
+    ``pretrained_weights``/``pretrained_key_map``, ``compile``, ``quantize_base``; see
+    :class:`~lightning_fsdp.FSDPCustomStrategy`). Checkpoints are always sharded directories.
+    """
+
+    strategy_name = "fsdp_custom"
+
+    def __init__(
+        self,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        precision: Optional[Precision] = None,
+        auto_wrap_policy: WrapPolicy = "auto",
+        activation_checkpointing_policy: WrapPolicy = None,
+        mixed_precision: MixedPrecisionArg = None,
+        cpu_offload: bool = False,
+        reshard_after_forward: Union[bool, int] = True,
+        replicate_size: mesh_utils.SizeArg = 1,
+        shard_size: mesh_utils.SizeArg = "auto",
+        process_group_backend: Optional[str] = None,
+        timeout: Union[float, timedelta] = 1800.0,
+        pretrained_weights: Optional[compat.PATH] = None,
+        pretrained_key_map: Optional[dict[str, str]] = None,
+        compile: CompileArg = False,
+        quantize_base: Optional[str] = None,
+    ) -> None:
+        mesh_utils.check_size("replicate_size", replicate_size)
+        mesh_utils.check_size("shard_size", shard_size)
+        process_group.check_backend(process_group_backend)
+        ShardingPlan(auto_wrap_policy, activation_checkpointing_policy, reshard_after_forward=reshard_after_forward,
+                     compile=compile, quantize_base=quantize_base)  # validated now, before any process starts
+        self.mixed_precision = mixed_precision  # read by the precision setter during super().__init__
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision=precision)
+        self.auto_wrap_policy = auto_wrap_policy
+        self.activation_checkpointing_policy = activation_checkpointing_policy
+        self.cpu_offload = bool(cpu_offload)
+        self.reshard_after_forward = reshard_after_forward
+        self.replicate_size = replicate_size
+        self.shard_size = shard_size
+        self.compile = compile
+        self.quantize_base = quantize_base
+        self.pretrained_weights = pretrained_weights
+        self.pretrained_key_map = dict(pretrained_key_map) if pretrained_key_map else None
+        self.num_nodes = 1
+        self.wrapped_units: list[str] = []
+        self.pretrained_base: Optional[BaseReference] = None
+        self.quantized_base: Optional[QuantizedBase] = None
+        self.checkpointer = Checkpointer()
+        self._process_group_backend = process_group_backend
+        self._timeout = process_group.as_timedelta(timeout)
+        self._mesh_shape: Optional[mesh_utils.MeshShape] = None
+        self._device_mesh: Any = None
+        self._backward_sync_control = _NoGradientSync()
+        self._preemption = Preemption()
+
+    # -- precision ---------------------------------------------------------------------------------------------------
+    @property  # type: ignore[override]
+    def precision(self) -> FSDP2FabricPrecision:
+        if self._precision is None:
+            self._precision = FSDP2FabricPrecision("32-true", mixed_precision=self.mixed_precision)
+        return self._precision  # type: ignore[return-value]
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        """Fabric hands unknown strategies its generic plugin for ``precision=``; ours maps it onto FSDP2."""
+        self._precision = FSDP2FabricPrecision.adopt(precision, self.mixed_precision, owner=type(self).__name__)
+
+    # -- processes and mesh --------------------------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def mesh_shape(self) -> mesh_utils.MeshShape:
+        if self._mesh_shape is None:
+            self._mesh_shape = mesh_utils.resolve_mesh_shape(
+                self.replicate_size, self.shard_size, self.num_nodes * self.num_processes, self.num_nodes
+            )
+        return self._mesh_shape
+
+    @property
+    def device_mesh(self) -> Any:
+        if self._device_mesh is None:
+            raise RuntimeError(f"{type(self).__name__}.device_mesh is only available after the process group is set up.")
+        return self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every data-parallel rank (replicas × shards) reads different data."""
+        if self._device_mesh is None:
+            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        return {"num_replicas": self.mesh_shape.world_size, "rank": mesh_utils.data_parallel_rank(self._device_mesh)}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = compat.FabricSubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        _ = self.mesh_shape  # sizes checked before any process group exists
+        backend = self._process_group_backend or process_group.default_backend(self.root_device)
+        self._process_group_backend = backend
+        compat.init_dist_connection(self.cluster_environment, backend, timeout=self._timeout,
+                                    device_id=self.root_device if self.root_device.type == "cuda" else None)
+        # gloo's worker threads must be released while the interpreter is alive; not after an uncaught error
+        # (peers may still block in the group), when Fabric's launcher or torchrun ends the other ranks
+        process_group.destroy_process_group_at_exit(keep_if=lambda: hasattr(sys, "last_value"))
+        self._device_mesh = mesh_utils.build_device_mesh(self.mesh_shape, self.root_device.type)
+        process_group.apply_timeout(dist.group.WORLD, self._device_mesh, self._timeout)  # HSDP's sub-groups too
+        self.precision.policy.device_type = self.root_device.type
+        self._preemption.install([s for s in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)) if s is not None])
+
+    def stop_requested(self) -> bool:
+        """Whether any rank received SIGTERM/SIGUSR1 (a scheduler's preemption notice); every rank gets the same
+        answer (one tiny all-reduce). Poll it between steps: ``if fabric.strategy.stop_requested(): fabric.save(...)``."""
+        return self._preemption.agree(self.root_device) != 0
+
+    # -- model -------------------------------------------------------------------------------------------------------
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> Any:
+        """``fabric.init_module(empty_init=True)``: parameters on the meta device; ``setup`` allocates only shards."""
+        stack = ExitStack()
+        stack.enter_context(parameters_on_meta() if empty_init else self.root_device)
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        module = self.precision.convert_module(module)
+        offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()
+        plan = ShardingPlan(
+            wrap_policy=self.auto_wrap_policy, activation_checkpointing=self.activation_checkpointing_policy,
+            mp_policy=self.precision.mp_policy, offload_policy=offload, reshard_after_forward=self.reshard_after_forward,
+            compile=self.compile, quantize_base=self.quantize_base,
+        )
+        device = torch.device("cpu") if self.cpu_offload else self.root_device
+        preparation = Preparation(plan, device, self.pretrained_weights, True, self.pretrained_key_map)
+        prepared = prepare_model(module, self.device_mesh, preparation)
+        if prepared.units:
+            self.wrapped_units, self.pretrained_base, self.quantized_base = prepared.units, prepared.base, prepared.quantized
+        rank_zero_info(f"{type(self).__name__}: {len(self.wrapped_units)} FSDP units on mesh {self.mesh_shape}")
+        return module
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
+    ) -> tuple[Module, list[Optimizer], Optional[Any]]:
+        """``fabric.setup(model, optimizer)``: sharding replaces the parameters, so optimizers built on the model
+        before (even on the meta device) are pointed at the sharded ones, by parameter name."""
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        module = self.setup_module(module)
+        current = dict(module.named_parameters(remove_duplicate=False))
+        for optimizer in optimizers:
+            _repoint(optimizer, names, current)
+        return module, optimizers, scheduler
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        """``fully_shard`` placed every shard already; moving the module would undo CPU offload."""
+
+    # -- steps -------------------------------------------------------------------------------------------------------
+    @override
+    def clip_gradients_norm(
+        self, module: Module, optimizer: Optimizer, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """The norm over every rank's gradient shards (one all-reduce), as one process would compute it."""
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        total = clip_grad_norm_(params, float(max_norm), float(norm_type))
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} of the gradients is non-finite ({total.item()}), so it"
+                " cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
+            )
+        return total
+
+    # -- collectives -------------------------------------------------------------------------------------------------
+    @override
+    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not compat.distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not compat.distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src, group=lightning_group.WORLD)
+        return holder[0]
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------------
+    @override
+    def save_checkpoint(
+        self, path: compat.PATH, state: dict[str, Any], storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """``fabric.save(path, {"model": m, "optimizer": o, ...})``: a verified, atomic checkpoint directory."""
+        if storage_options is not None or filter is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither `storage_options` nor `filter`.")
+        path = Path(self.broadcast(str(path)))
+        fabric_state = FabricState.of(state, "fabric.save")
+        model = fabric_state.model
+        checkpoint = to_checkpoint(
+            fabric_state, self.checkpointer.model_state_dict(model, full=False),
+            [self.checkpointer.optimizer_state_dict(model, o, full=False) for o in fabric_state.optimizers.values()],
+        )
+        annotate_checkpoint(checkpoint, model, self.pretrained_base, True, self.quantized_base)
+        self.checkpointer.save_sharded(checkpoint, path, mesh_shape=self.mesh_shape)
+
+    @override
+    def load_checkpoint(
+        self, path: compat.PATH, state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None, strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """``fabric.load(path, state)``: verified, resharded to this world size; returns what ``state`` did not ask
+        for. ``fabric.load_raw(path, model)``: a full state-dict file, a safetensors file or HF directory, or one of
+        our checkpoint directories, into the sharded model."""
+        path = Path(self.broadcast(str(path)))
+        if isinstance(state, Module):
+            self.load_raw_module(path, state, strict)
+            return {}
+        if not isinstance(state, dict) or not state:
+            raise ValueError(
+                f"{type(self).__name__}.load_checkpoint needs the objects to restore: fabric.load(path,"
+                ' {"model": model, "optimizer": optimizer, ...}) (a sharded checkpoint cannot be returned whole).'
+            )
+        fabric_state = FabricState.of(state, "fabric.load")
+        model = fabric_state.model
+        optimizers = list(fabric_state.optimizers.values())
+        rest = self.checkpointer.load(
+            path, model=model, optimizers=optimizers, strict=strict,
+            resolve_base=lambda reference: resolve_base(model, reference, self.pretrained_base),
+        )
+        return restore_entries(fabric_state, state, rest, path, strict)
+
+    def load_raw_module(self, path: Path, module: Module, strict: bool) -> None:
+        from lightning_fsdp.checkpoint import load_pretrained
+        from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME
+        from lightning_fsdp.hf.load import is_safetensors_source, load_safetensors
+
+        if path.is_dir() and (path / MANIFEST_NAME).exists():
+            self.checkpointer.load(path, model=module, optimizers=(), strict=strict)
+        elif is_safetensors_source(path):
+            load_safetensors(module, path, strict=strict, key_map=self.pretrained_key_map)
+        else:
+            load_pretrained(module, path, strict=strict)
+
+    @override
+    def teardown(self) -> None:
+        self.checkpointer.finalize()
+        self._preemption.uninstall()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        from lightning_fsdp.registry import register_fabric_strategies
+
+        register_fabric_strategies(strategy_registry)
+
+
+def _repoint(optimizer: Optimizer, names: dict[int, str], current: dict[str, Tensor]) -> None:
+    """Replace each parameter an optimizer holds by the sharded parameter of the same name."""
+    if optimizer.state:
+        raise RuntimeError(
+            "The optimizer already has state; set it up before its first step, or create it after"
+            " `fabric.setup_module(model)` and pass it to `fabric.setup_optimizers(optimizer)`."
+        )
+    for group in optimizer.param_groups:
+        replaced = []
+        for param in group["params"]:
+            name = names.get(id(param))
+            if name is None or name not in current:
+                raise ValueError(
+                    "The optimizer holds a parameter that is not the model's; build it from model.parameters()."
+                )
+            replaced.append(current[name])
+        group["params"] = replaced

@@ -1,0 +1,162 @@
+"""A hand-written Fabric loop fine-tuning a Hugging Face causal LM, as a Fabric user writes it.
+
+    python tests/scripts/fabric_loop.py spec.json
+
+``Fabric(strategy=..., devices=N).launch()`` starts the ranks. Every run in ``spec["runs"]`` builds the model with
+``AutoModelForCausalLM.from_config`` under ``fabric.init_module(empty_init=...)``, starts from
+``fabric.load_raw(<full state file>)`` or resumes with ``fabric.load``, trains on rank ``r``'s slice of fixed global
+batches (``self.model(input_ids=x).logits``, cross-entropy, ``fabric.backward``, ``fabric.clip_gradients``), and
+rank 0 writes the losses, gradient norms, the gathered final parameters and what each rank held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import lightning_fsdp  # noqa: F401 - registers the strategy names for Fabric
+
+
+class ReduceScatterCounter:
+    """Counts FSDP2's gradient reduce-scatters (to show ``no_backward_sync`` skips them while accumulating)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+        self.original = getattr(dist, self.name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return self.original(*args, **kwargs)
+
+        setattr(dist, self.name, counted)
+
+
+def batches(spec: dict[str, Any], vocab: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab, (spec["steps"], spec["global_batch"], spec["seq"]), generator=generator)
+
+
+def local_bytes(model: torch.nn.Module) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k: v.detach().float().clone() for k, v in get_model_state_dict(model, options=options).items()}
+
+
+def one_run(fabric: L.Fabric, spec: dict[str, Any], run: dict[str, Any], counter: ReduceScatterCounter) -> dict[str, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(spec["model_dir"])
+    sharded = spec["strategy"] != "auto"
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=sharded):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if run.get("joint_setup"):  # fabric.setup(model, optimizer): the optimizer is built before sharding
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
+        model, optimizer = fabric.setup(model, optimizer)
+    else:
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=spec["lr"]))
+    start = 0
+    result: dict[str, Any] = {"losses": [], "norms": []}
+    if run.get("resume"):
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        result["remainder"] = sorted(fabric.load(run["resume"], state))
+        start = state["step"]
+    else:
+        fabric.load_raw(spec["raw_state"], model)
+    data = batches(spec, config.vocab_size)
+    world, rank = fabric.world_size, fabric.global_rank
+    per_rank = spec["global_batch"] // world
+    accumulate = run.get("accumulate", 1)
+    for step in range(start, spec["steps"]):
+        x = data[step][rank * per_rank:(rank + 1) * per_rank]
+        before = counter.calls
+        for i, micro in enumerate(x.chunk(accumulate)):
+            with fabric.no_backward_sync(model, enabled=i < accumulate - 1):
+                logits = model(input_ids=micro).logits
+                loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), micro[:, 1:].reshape(-1))
+                fabric.backward(loss / accumulate)
+        result.setdefault("reduce_scatters", []).append(counter.calls - before)
+        result["norms"].append(float(fabric.clip_gradients(model, optimizer, max_norm=spec["clip"])))
+        optimizer.step()
+        optimizer.zero_grad()
+        result["losses"].append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
+        if run.get("raise_rank") == rank:
+            raise RuntimeError(f"a bug on rank {rank} at step {step}")
+        if run.get("save_at") == step + 1:
+            fabric.save(run["save"], {"model": model, "optimizer": optimizer, "step": step + 1, "note": "mid-run"})
+        if run.get("signal_rank") == rank and run.get("signal_at") == step + 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends before preempting one node
+        if run.get("signal_at") is not None and fabric.strategy.stop_requested():
+            fabric.save(run["save"], {"model": model, "optimizer": optimizer, "step": step + 1})
+            result["stopped_at"] = _gather(step + 1)
+            break
+    result["local_bytes"] = fabric.all_gather(torch.tensor(local_bytes(model))).flatten().tolist()
+    result["full_bytes"] = sum(p.numel() * p.element_size() for p in full_state(model).values()) if sharded else None
+    params = full_state(model) if sharded else {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    if rank == 0:
+        path = Path(spec["out"]).with_suffix(f".{run['name']}.pt")
+        torch.save(params, path)
+        result["params_path"] = str(path)
+    if run.get("damaged"):  # last: a refused load may have restored some entries already
+        result["refusals"] = refusal(fabric, run["damaged"], model, optimizer)
+    return result
+
+
+def refusal(fabric: L.Fabric, source: str, model: Any, optimizer: Any) -> list[str]:
+    """A copy of ``source`` with one byte of a shard flipped: ``fabric.load`` must refuse it on every rank."""
+    damaged = Path(source).with_name("damaged.ckpt")
+    if fabric.global_rank == 0:
+        shutil.copytree(source, damaged)
+        shard = sorted(damaged.glob("*.distcp"))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    fabric.barrier()
+    try:
+        fabric.load(damaged, {"model": model, "optimizer": optimizer, "step": 0})
+        message = "loaded"
+    except Exception as err:  # the test reads every rank's message
+        message = f"{type(err).__name__}: {err}"
+    return _gather(message)
+
+
+def _gather(message: str) -> list[str]:
+    if not dist.is_initialized():
+        return [message]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, message)
+    return out
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    fabric = L.Fabric(accelerator="cpu", devices=spec["devices"], strategy=spec["strategy"],
+                      precision=spec.get("precision", "32-true"))
+    fabric.launch()
+    counter = ReduceScatterCounter()
+    results = {run["name"]: one_run(fabric, spec, run, counter) for run in spec["runs"]}
+    if fabric.global_rank == 0:
+        Path(spec["out"]).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
