@@ -24,7 +24,8 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -147,6 +148,28 @@ def commit(staging: Path, target: Path, *, use_exchange: Optional[bool] = None) 
     os.rename(staging, target)
     fsync_path(target.parent)
     delete(replaced)
+
+
+@contextmanager
+def staged(target: Path, token: Optional[str] = None, *, directory: bool = False) -> Iterator[Path]:
+    """Write ``target`` through a hidden sibling: yields the staging path (a fresh directory with ``directory``;
+    for a file, the writer creates it and fsyncs it), then makes the directory durable and commits it onto
+    ``target``; on any error the staging entry is deleted and ``target`` is left as it was. Every writer of a whole
+    file or directory (full ``.ckpt``, ``consolidate``, the HF/PEFT export) goes through here; the sharded save
+    stages and commits across ranks with the same ``temp_path``/``commit``/``delete``."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = temp_path(target, STAGING, token or new_token())
+    try:
+        if directory:
+            staging.mkdir()
+        yield staging
+        if directory:
+            fsync_path(staging)
+        commit(staging, target)
+    except BaseException:
+        delete(staging)
+        raise
 
 
 def remove(target: Path) -> None:

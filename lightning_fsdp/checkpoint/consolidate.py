@@ -11,13 +11,11 @@ the output (for safetensors, which is written as it is read: near one tensor).
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, TextIO, Union
+from typing import Callable, Literal, Optional, TextIO, Union
 
 import torch
 
@@ -25,6 +23,7 @@ from lightning_fsdp.checkpoint import commit as commit_ops
 from lightning_fsdp.checkpoint.base_weights import BaseReference, pop_reference, require_resolver
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.reader import CheckpointReader
+from lightning_fsdp.checkpoint.safetensors_file import Entry, entry_bytes, write_safetensors
 from lightning_fsdp.checkpoint.state import (
     MODEL_LIKE_KEYS,
     TensorPath,
@@ -37,21 +36,6 @@ Format = Literal["ckpt", "safetensors"]
 
 #: progress lines are printed (at most once a second) for checkpoints at least this large
 PROGRESS_MIN_BYTES = 64 << 20
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
 
 
 class _Progress:
@@ -88,7 +72,6 @@ class _Progress:
 
 
 #: a tensor to write: dtype, shape, and how to read it (one at a time)
-Entry = tuple[torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]
 #: the base weights a checkpoint refers to, as entries by model key (see ``lightning_fsdp.hf.export``)
 BaseTensors = Callable[[BaseReference], dict[str, Entry]]
 
@@ -132,15 +115,13 @@ def consolidate_checkpoint(
         entries: dict[TensorPath, Entry] = {path: entry(key) for key, path in paths.items() if path[0] not in skipped}
         entries.update({("state_dict", name): entry(key) for name, key in chosen.items()})
         entries.update({("state_dict", key): entry for key, entry in base.items()})
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        staging = commit_ops.temp_path(dst, commit_ops.STAGING, commit_ops.new_token())
-        try:
+        with commit_ops.staged(dst) as staging:
             if format == "safetensors":
                 weights = {str(p[1]): e for p, e in entries.items() if p[0] == "state_dict" and len(p) == 2}
-                bar = _Progress(len(weights), sum(_nbytes(e) for e in weights.values()), progress)
-                _write_safetensors(staging, weights, bar, {"source": manifest.target, "format": "pt"})
+                bar = _Progress(len(weights), sum(entry_bytes(e) for e in weights.values()), progress)
+                write_safetensors(staging, weights, {"source": manifest.target, "format": "pt"}, bar.update)
             else:
-                bar = _Progress(len(entries), sum(_nbytes(e) for e in entries.values()), progress)
+                bar = _Progress(len(entries), sum(entry_bytes(e) for e in entries.values()), progress)
                 tensors: dict[TensorPath, torch.Tensor] = {}
                 for path, (_, _, read) in entries.items():
                     tensors[path] = read()
@@ -152,42 +133,7 @@ def consolidate_checkpoint(
                     torch.save(meta, f)
                     f.flush()
                     os.fsync(f.fileno())
-            commit_ops.commit(staging, dst)
-        except BaseException:
-            commit_ops.delete(staging)
-            raise
     finally:
         reader.close()
     bar.finish(dst)
     return dst
-
-
-def _nbytes(entry: Entry) -> int:
-    dtype, shape, _ = entry
-    return int(torch.Size(shape).numel()) * dtype.itemsize
-
-
-def _write_safetensors(path: Path, entries: dict[str, Entry], bar: _Progress, metadata: dict[str, str]) -> None:
-    """Write a safetensors file tensor by tensor: the header is known from shapes and dtypes before any data is read."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    order = sorted(entries)
-    for name in order:
-        dtype, shape, _ = entries[name]
-        if dtype not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{name}: dtype {dtype} cannot be stored in safetensors; use --format ckpt.")
-        nbytes = _nbytes(entries[name])
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for name in order:
-            tensor = entries[name][2]().contiguous()
-            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-            bar.update(tensor.numel() * tensor.element_size())
-            del tensor
-        f.flush()
-        os.fsync(f.fileno())

@@ -37,24 +37,17 @@ from lightning_fsdp.parallel.collectives import broadcast_object, is_distributed
 
 def save(checkpoint: Mapping[str, Any], path: Path) -> None:
     """Rank 0 writes one ordinary Lightning ``.ckpt`` (full tensors, integer-keyed optimizer state)."""
-    token = broadcast_object(commit_ops.new_token())
-    staging = commit_ops.temp_path(path, commit_ops.STAGING, token)
 
     def write() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         commit_ops.recover(path.parent)
         payload = full_payload(checkpoint)
-        with open(staging, "wb") as f:
+        with commit_ops.staged(path) as staging, open(staging, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
-        commit_ops.commit(staging, path)
 
-    def cleanup() -> None:
-        if rank() == 0:
-            commit_ops.delete(staging)
-
-    agreed(on_rank_zero(write), f"Saving checkpoint {path}", on_error=cleanup, hint=SAVE_HINT)
+    agreed(on_rank_zero(write), f"Saving checkpoint {path}", hint=SAVE_HINT)
 
 
 def full_payload(checkpoint: Mapping[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import torch
 from lightning_fsdp.checkpoint.checksums import HASH_ALGORITHM, hash_file
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.manifest import assign_files
+from lightning_fsdp.checkpoint.safetensors_file import TORCH_DTYPES
 from lightning_fsdp.formatting import short_list
 from lightning_fsdp.parallel.collectives import all_gather_object, rank, world_size
 
@@ -45,11 +46,6 @@ SIDE_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 
 
 @dataclass(frozen=True)
@@ -209,7 +205,7 @@ def _read_header(file: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
             out = {}
             for key in f.keys():
                 tensor_slice = f.get_slice(key)
-                dtype = _DTYPES.get(tensor_slice.get_dtype())
+                dtype = TORCH_DTYPES.get(tensor_slice.get_dtype())
                 if dtype is None:
                     raise CheckpointError(f"{file}: tensor {key!r} has the unsupported dtype {tensor_slice.get_dtype()}.")
                 out[key] = (dtype, tuple(tensor_slice.get_shape()))

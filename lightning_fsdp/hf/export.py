@@ -19,8 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -29,9 +28,9 @@ from torch import nn
 
 from lightning_fsdp.checkpoint import commit as commit_ops
 from lightning_fsdp.checkpoint.base_weights import BaseReference, pop_quantized, pop_reference
-from lightning_fsdp.checkpoint.consolidate import Entry
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.reader import CheckpointReader
+from lightning_fsdp.checkpoint.safetensors_file import Entry, write_tensors
 from lightning_fsdp.checkpoint.state import weight_paths
 from lightning_fsdp.formatting import parse_bytes, short_list
 from lightning_fsdp.hf.conversion import revert_tensor
@@ -248,7 +247,7 @@ def export_hf(
             names.pop(alias, None)
         target = out_dtype or _dtype_of(tensors)
         shards = _plan_shards(names, tensors.shapes, target, limit)
-        with _staged(dst) as staging:
+        with commit_ops.staged(dst, directory=True) as staging:
             weight_map: dict[str, str] = {}
             total = 0
             for i, shard in enumerate(shards, start=1):
@@ -261,7 +260,7 @@ def export_hf(
                         data[file_key] = part.contiguous()
                         total += part.numel() * part.element_size()
                         weight_map[file_key] = file
-                _save_safetensors(data, staging / file)
+                write_tensors(staging / file, data, {"format": "pt"})
                 del data
             if len(shards) > 1:
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -287,7 +286,7 @@ def export_peft(src: Union[str, Path], dst: Union[str, Path], *, verify: bool = 
         unknown = model.load_state_dict(adapter, strict=False, assign=True).unexpected_keys
         if unknown:
             raise CheckpointError(f"{src}: adapter tensors the rebuilt PEFT model does not have: {short_list(unknown)}.")
-        with _staged(dst) as staging:
+        with commit_ops.staged(dst, directory=True) as staging:
             model.save_pretrained(str(staging), safe_serialization=True)
     finally:
         tensors.close()
@@ -319,12 +318,6 @@ def _natural(key: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in key.split(".")]
 
 
-def _save_safetensors(data: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file(data, str(path), metadata={"format": "pt"})
-
-
 def _dtype_of(tensors: CheckpointTensors) -> torch.dtype:
     floats = [dtype for dtype, _ in tensors.shapes.values() if dtype.is_floating_point]
     return max(set(floats), key=floats.count) if floats else torch.float32
@@ -339,18 +332,3 @@ def _write_side_files(staging: Path, info: dict[str, Any], from_dir: Optional[Pa
     config["dtype"] = str(dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
     (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-
-
-@contextmanager
-def _staged(dst: Path) -> Iterator[Path]:
-    """A hidden sibling directory renamed onto ``dst`` only once everything is written."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    staging = commit_ops.temp_path(dst, commit_ops.STAGING, commit_ops.new_token())
-    staging.mkdir()
-    try:
-        yield staging
-        commit_ops.fsync_path(staging)
-        commit_ops.commit(staging, dst)
-    except BaseException:
-        commit_ops.delete(staging)
-        raise

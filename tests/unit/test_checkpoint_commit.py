@@ -109,3 +109,45 @@ def test_remove_never_leaves_a_partial_checkpoint_under_its_name(tmp_path):
     c.remove(tmp_path / "full.ckpt")
     c.remove(tmp_path / "missing.ckpt")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("directory", [False, True])
+def test_staged_writes_commit_whole_or_leave_the_target_as_it_was(tmp_path, directory):
+    target = tmp_path / ("out" if directory else "out.ckpt")
+
+    def write(staging: Path, text: str) -> None:
+        (staging / "model.safetensors" if directory else staging).write_text(text)
+
+    with c.staged(target, directory=directory) as staging:
+        write(staging, "first")
+    with pytest.raises(RuntimeError, match="disk full"):
+        with c.staged(target, directory=directory) as staging:
+            write(staging, "half")
+            raise RuntimeError("disk full")
+    assert (target / "model.safetensors" if directory else target).read_text() == "first"
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]  # no staging entry left behind
+
+
+def test_one_safetensors_writer_round_trips_mixed_dtypes_aligned(tmp_path):
+    import torch
+    from safetensors import safe_open
+
+    from lightning_fsdp.checkpoint.errors import CheckpointError
+    from lightning_fsdp.checkpoint.safetensors_file import write_safetensors, write_tensors
+
+    tensors = {"a.bias": torch.arange(3, dtype=torch.bfloat16), "b.weight": torch.randn(3, 5),
+               "c.mask": torch.tensor([True, False, True]), "d.ids": torch.arange(7, dtype=torch.int64)}
+    write_tensors(tmp_path / "m.safetensors", tensors)
+    with safe_open(str(tmp_path / "m.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        for name, tensor in tensors.items():
+            assert torch.equal(f.get_tensor(name), tensor)
+    header_len = int.from_bytes((tmp_path / "m.safetensors").read_bytes()[:8], "little")
+    import json
+
+    header = json.loads((tmp_path / "m.safetensors").read_bytes()[8:8 + header_len])
+    for name, tensor in tensors.items():  # every tensor starts at a multiple of its element size
+        assert header[name]["data_offsets"][0] % tensor.element_size() == 0
+    lying = {"x": (torch.float32, (2,), lambda: torch.zeros(3))}
+    with pytest.raises(CheckpointError, match=r"x: read torch.float32 \(3,\), but the header says"):
+        write_safetensors(tmp_path / "bad.safetensors", lying)
