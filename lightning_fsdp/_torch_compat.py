@@ -74,6 +74,7 @@ __all__ = [
     "hf_storage_info",
     "give_module_device_mesh",
     "init_dist_connection",
+    "load_in_place",
     "keep_root_gathered",
     "optimizers_to_device",
     "reset_optimizers",
@@ -229,20 +230,24 @@ def dcp_unpickle_allowlist() -> dict[tuple[str, str], Any]:
     from torch.distributed.checkpoint import filesystem, metadata
 
     allowed: dict[tuple[str, str], Any] = {}
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    ):
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
         allowed[(metadata.__name__, name)] = getattr(metadata, name)
     allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
     allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     return allowed
+
+
+def load_in_place(storage: torch.UntypedStorage, file: Any) -> Any:
+    """``torch.load(weights_only=True)`` of the archive ``file`` reads, whose bytes ``storage`` holds from offset 0:
+    tensors view ``storage``, as ``torch.load(mmap=True)`` views a file, instead of being copied out of it."""
+    import torch.serialization as ser
+
+    if not fast_paths()["in_place_load"]:
+        warn_lost("in_place_load", "every checkpoint entry is copied once more while it loads")
+        return torch.load(file, map_location="cpu", weights_only=True)
+    with ser._open_zipfile_reader(file) as zip_file:
+        return ser._load(zip_file, "cpu", ser._weights_only_unpickler, overall_storage=storage, encoding="utf-8")
 
 
 def dcp_metadata_path(reader: Any, rank: Optional[int] = None) -> Any:
@@ -385,6 +390,7 @@ _PROBES: dict[str, Callable[[], bool]] = {
     "foreach_mul": lambda: callable(getattr(torch, "_foreach_mul_", None)),
     "foreach_lerp": lambda: callable(getattr(torch, "_foreach_lerp_", None)),
     "foreach_copy": lambda: callable(getattr(torch, "_foreach_copy_", None)),
+    "in_place_load": lambda: all(hasattr(torch.serialization, n) for n in ("_open_zipfile_reader", "_load", "_weights_only_unpickler")),
 }
 
 

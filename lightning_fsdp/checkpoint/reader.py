@@ -13,7 +13,6 @@ outside the checkpoint directory is ever opened.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any, Union
 
@@ -29,7 +28,7 @@ from lightning_fsdp.checkpoint.manifest import (
     read_manifest,
     require_listed,
 )
-from lightning_fsdp.checkpoint.safe_load import load_metadata_bytes, read_entry, safe_torch_load
+from lightning_fsdp.checkpoint.safe_load import EntryBuffer, load_metadata_bytes, read_entry, safe_torch_load
 from lightning_fsdp.checkpoint.state import META_KEY, TensorPath
 
 #: read by every loader before anything else, and verified whole before they are parsed (they are small)
@@ -83,6 +82,7 @@ class CheckpointReader:
             raise_damaged(self.path, problems)
         self.metadata, self.meta, self.paths = read_state_files(self.path, self.manifest)
         self._files: dict[str, Any] = {}
+        self._buffer = EntryBuffer()  # each entry read into it, its tensor copied out before the next
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -112,7 +112,7 @@ class CheckpointReader:
             if getattr(info, "transform_descriptors", None):
                 raise CheckpointError(f"{self.path}: {key!r} was written with stream transforms, which are not read.")
             data = self._entry(info.relative_path, info.offset, info.length)
-            part = safe_torch_load(io.BytesIO(data), where=f"{self.path / info.relative_path} ({key})")
+            part = self._buffer.load(data, where=f"{self.path / info.relative_path} ({key})")
             if not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(chunk.sizes):
                 raise CheckpointError(f"{self.path}: a chunk of {key!r} does not have the shape .metadata gives.")
             region = out
@@ -121,13 +121,13 @@ class CheckpointReader:
             region.copy_(part)
         return out
 
-    def _entry(self, name: str, offset: int, length: int) -> bytes:
+    def _entry(self, name: str, offset: int, length: int) -> memoryview:
         f = self._files.get(name)
         if f is None:
             if not is_safe_name(name):
                 raise CheckpointError(f"{self.path}: .metadata names a file outside the checkpoint: {name!r}.")
             f = self._files[name] = open(self.path / name, "rb")
-        return read_entry(f, self.path, name, (offset, length), self.manifest, checksums=self.verify)
+        return read_entry(f, self.path, name, (offset, length), self.manifest, checksums=self.verify, into=self._buffer)
 
     def close(self) -> None:
         for f in self._files.values():

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from lightning_fsdp._torch_compat import dcp_metadata_path, dcp_set_element, dcp_unpickle_allowlist
+from lightning_fsdp._torch_compat import dcp_metadata_path, dcp_set_element, dcp_unpickle_allowlist, load_in_place
 from lightning_fsdp.checkpoint.checksums import digest
 from lightning_fsdp.checkpoint.errors import CheckpointError
 
@@ -103,9 +105,13 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def read_entry(f: Any, root: Path, name: str, where: tuple[int, int], manifest: Any, checksums: bool = True) -> bytes:
+def read_entry(
+    f: Any, root: Path, name: str, where: tuple[int, int], manifest: Any, checksums: bool = True,
+    into: Optional[EntryBuffer] = None,
+) -> Any:
     """The bytes of one entry of ``root/name`` (open as ``f``), read once, never past the size the manifest gives,
-    and checked against the entry's own checksum before anything parses them (when the manifest has one)."""
+    and checked against the entry's own checksum before anything parses them (when the manifest has one). With
+    ``into``, read into that reused buffer (a view of it is returned) instead of fresh memory."""
     offset, length = where
     end = offset + length
     entry = manifest.files.get(name)
@@ -117,8 +123,13 @@ def read_entry(f: Any, root: Path, name: str, where: tuple[int, int], manifest: 
             f" has {entry.size} bytes in the manifest."
         )
     f.seek(offset)
-    data = f.read(length)
-    if len(data) != length:
+    if into is None:
+        data = f.read(length)
+        got = len(data)
+    else:
+        data = into.view(length)
+        got = f.readinto(data)
+    if got != length:
         raise CheckpointError(f"Checkpoint {root} is damaged: {name} ends inside bytes {offset}..{end}.")
     if checksums and entry.items:
         expected = next((c for o, n, c in entry.items if (o, n) == where), None)
@@ -134,6 +145,52 @@ def read_entry(f: Any, root: Path, name: str, where: tuple[int, int], manifest: 
                 " restored: do not continue from this state; load an earlier checkpoint."
             )
     return data
+
+
+class _MemoryFile(io.RawIOBase):
+    """A read-only, seekable file over a memoryview, without copying it (``io.BytesIO`` would)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.position = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: len(self.view)}[whence]
+        self.position = max(0, base + offset)
+        return self.position
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self.view) - self.position))
+        b[:n] = self.view[self.position : self.position + n]
+        self.position += n
+        return n
+
+
+class EntryBuffer:
+    """One reused buffer for checkpoint entries: each entry is read into it once (no fresh pages per entry),
+    checked, then loaded with its tensors viewing the buffer rather than copied out of it. A loaded tensor is valid
+    until the next entry is read, so it must be copied into its target first (DCP's readers do that)."""
+
+    def __init__(self) -> None:
+        self._bytes = torch.empty(0, dtype=torch.uint8)
+
+    def view(self, length: int) -> memoryview:
+        if self._bytes.numel() < length:
+            self._bytes = torch.empty(length, dtype=torch.uint8)
+        return memoryview(self._bytes.numpy())[:length]
+
+    def load(self, data: memoryview, where: Any) -> Any:
+        """``torch.load(weights_only=True)`` of the entry ``data`` (a view this buffer returned)."""
+        with _refusals(where):
+            return load_in_place(self._bytes.untyped_storage(), _MemoryFile(data))
 
 
 class VerifyingFileSystemReader(SafeFileSystemReader):
@@ -164,7 +221,8 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
     def _read_file(self, name: str, requests: list[Any], planner: Any) -> None:
         from torch.distributed.checkpoint.planner import LoadItemType
 
-        last: tuple[Any, bytes] = (None, b"")
+        last: tuple[Any, Any] = (None, b"")
+        buffer = EntryBuffer()
         with open(self.root / name, "rb") as f:
             for request in requests:
                 info = self.storage_data[request.storage_index]
@@ -172,12 +230,12 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
                 if getattr(info, "transform_descriptors", None):
                     raise CheckpointError(f"{self.root / name}: entries written with stream transforms are not read.")
                 if last[0] != where:  # an entry several requests need is read and checked once
-                    last = (where, read_entry(f, self.root, name, where, self.manifest))
+                    last = (where, read_entry(f, self.root, name, where, self.manifest, into=buffer))
                 data = last[1]
                 if request.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(request, io.BytesIO(data))
+                    planner.load_bytes(request, io.BytesIO(bytes(data)))
                     continue
-                tensor = safe_torch_load(io.BytesIO(data), where=f"{self.root / name} (bytes {info.offset}..)")
+                tensor = buffer.load(data, where=f"{self.root / name} (bytes {info.offset}..)")
                 for dim, (offset, length) in enumerate(zip(request.storage_offsets, request.lengths)):
                     if length < tensor.size(dim):
                         tensor = tensor.narrow(dim, offset, length)
@@ -204,12 +262,19 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def safe_torch_load(f: str | Path | BinaryIO, *, where: Any = None, mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)`` on CPU; refusals and corrupt files become :class:`CheckpointError`."""
-    where = where if where is not None else f
-    try:
+    with _refusals(where if where is not None else f):
         kwargs: dict[str, Any] = {"map_location": "cpu", "weights_only": True}
         if mmap:
             kwargs["mmap"] = True
         return torch.load(f, **kwargs)
+
+
+@contextmanager
+def _refusals(where: Any) -> Iterator[None]:
+    """``torch.load``'s refusals (a global the restricted unpickler will not resolve) and read errors, as a
+    :class:`CheckpointError` naming ``where``."""
+    try:
+        yield
     except pickle.UnpicklingError as err:
         first = str(err).strip().splitlines()
         detail = next(
