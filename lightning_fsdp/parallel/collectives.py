@@ -107,13 +107,16 @@ def agree(
     A failure that already is an ``error_type`` keeps its message (it names the file and the fix); any other is
     prefixed with ``what`` and followed by ``hint`` (what state things are in, what to do). ``on_error`` runs on every
     rank before raising (e.g. to delete a staging directory); its own errors are logged, not raised. DCP's
-    ``CheckpointException`` derives from ``BaseException`` and is caught too.
+    ``CheckpointException`` derives from ``BaseException`` and is caught too. On a rank that failed, the raised
+    error's ``__cause__`` is that rank's own exception, with its traceback.
     """
     result: Any = None
     error: Optional[tuple[bool, str]] = None
+    local: Optional[BaseException] = None  # kept as the raised error's cause: this rank's traceback survives
     try:
         result = fn()
     except (Exception, CheckpointException) as err:
+        local = err
         error = (isinstance(err, error_type), describe_error(err) if not isinstance(err, error_type) else str(err))
     if not any_rank(error is not None):  # the common case: one small all-reduce; messages only on failure
         return result
@@ -134,8 +137,8 @@ def agree(
     else:
         detail = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in failed)
     if len(messages) == 1 and all(is_ours for _, (is_ours, _) in failed):
-        raise error_type(detail)
-    raise error_type(f"{what} failed: {detail}." + (f" {hint}" if hint else ""))
+        raise error_type(detail) from local
+    raise error_type(f"{what} failed: {detail}." + (f" {hint}" if hint else "")) from local
 
 
 def on_rank_zero(fn: Callable[[], T]) -> Callable[[], Optional[T]]:

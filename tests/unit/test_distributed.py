@@ -80,3 +80,16 @@ def test_process_group_is_destroyed_at_exit_unless_vetoed(mode, expected):
     proc = subprocess.run([sys.executable, "-c", _EXIT_PROBE, mode], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == f"initialized at exit: {expected}"
+
+
+def test_agree_keeps_the_failing_ranks_own_exception_and_traceback():
+    from lightning_fsdp.parallel.collectives import agree
+
+    def fails() -> None:
+        raise ValueError("a shape does not match")
+
+    with pytest.raises(RuntimeError, match=r"Saving failed: ValueError: a shape does not match\. fix it") as info:
+        agree(fails, "Saving", hint="fix it")
+    cause = info.value.__cause__
+    assert isinstance(cause, ValueError) and cause.__traceback__ is not None  # where it failed, not just the text
+    assert agree(lambda: 3, "Adding") == 3
