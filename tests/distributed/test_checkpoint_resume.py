@@ -8,15 +8,12 @@ order). "2 epochs straight" is therefore one reference for every resumed run, at
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from lightning_fsdp.checkpoint import verify_checkpoint
 from lightning_fsdp.checkpoint.safe_load import read_metadata
-from tests.helpers.launch import REPO, child_env
 from tests.helpers.models import TinyLM
 from tests.scripts.ckpt_jobs import job
 
@@ -110,24 +107,19 @@ def test_compiled_units_resume_from_an_eager_checkpoint_and_save_the_same_names(
     assert keys == set(read_metadata(saved_on_4["sharded"]).state_dict_metadata)
 
 
-def test_consolidated_checkpoint_loads_in_a_plain_process(tmp_path, saved_on_4):
-    """`lightning-fsdp consolidate` of the 4-rank checkpoint: `load_from_checkpoint` and `weights_only` load it,
-    its weights are the gathered weights, and it holds what the full save holds (integer-keyed optimizer state)."""
+def test_consolidated_checkpoint_loads_in_a_plain_process(tmp_path, saved_on_4, capsys):
+    """`lightning-fsdp consolidate` of the 4-rank checkpoint (the command's entry function, run here: the e2e tests
+    run the installed command): `load_from_checkpoint` and `weights_only` load it, its weights are the gathered
+    weights, and it holds what the full save holds (integer-keyed optimizer state)."""
+    from lightning_fsdp.commands.consolidate import main as consolidate
+
     dst = tmp_path / "model.ckpt"
     for args in (
         [str(saved_on_4["sharded"]), str(dst)],
         [str(saved_on_4["sharded"]), str(tmp_path / "w.safetensors"), "--format", "safetensors"],
     ):
-        proc = subprocess.run(
-            [sys.executable, "-m", "lightning_fsdp", "consolidate", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=child_env(),
-            cwd=REPO,
-        )
-        assert proc.returncode == 0, proc.stderr
-        assert "consolidate: wrote" in proc.stderr
+        assert consolidate(args) == 0
+        assert "consolidate: wrote" in capsys.readouterr().err
     model = TinyLM.load_from_checkpoint(dst)
     gathered = saved_on_4["params"]
     state = model.state_dict()

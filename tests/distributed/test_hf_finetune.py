@@ -168,37 +168,44 @@ def test_full_finetune_exports_an_hf_model_in_bf16(lora, tmp_path):
         assert torch.equal(value, trained["model." + name].to(torch.bfloat16)), name
 
 
-def test_resume_refuses_a_changed_or_missing_base(lora):
-    """Runs last: it changes the base in place, then moves it away."""
+def _refused_resume(lora, name: str, weights: dict) -> dict[int, str]:
+    """Resume the LoRA run's last checkpoint on 2 ranks; it must fail on both: each rank's error."""
     root, base, _ = lora
-    ckpt = str(root / "lora_ckpt" / "last.ckpt")
-    shard = sorted(base.glob("model-*.safetensors"))[-1]
-    data = bytearray(shard.read_bytes())
-    data[-3] ^= 0x01  # same size, one weight's bits differ
-    shard.write_bytes(bytes(data))
+    errors = root / f"errors_{name}"
+    errors.mkdir()
+    hf = {"model_dir": str(base if base.exists() else root / "moved"), "lora": LORA}
+    spec = {"devices": 2, "max_epochs": 2, "hf": hf, "strategy_kwargs": weights,
+            "ckpt_path": str(root / "lora_ckpt" / "last.ckpt"), "error_dir": str(errors)}
+    proc = job(spec, root, name, check=False, timeout=180)["proc"]
+    assert proc.returncode != 0
+    found = errors_by_rank(errors)
+    assert sorted(found) == [0, 1], proc.stderr[-3000:]
+    return found
 
-    def resume(name: str, weights: dict):
-        errors = root / f"errors_{name}"
-        errors.mkdir()
-        hf = {"model_dir": str(base if base.exists() else root / "moved"), "lora": LORA}
-        spec = {"devices": 2, "max_epochs": 2, "hf": hf, "strategy_kwargs": weights, "ckpt_path": ckpt,
-                "error_dir": str(errors)}
-        proc = job(spec, root, name, check=False, timeout=180)["proc"]
-        assert proc.returncode != 0
-        found = errors_by_rank(errors)
-        assert sorted(found) == [0, 1], proc.stderr[-3000:]
-        return found
 
-    changed = resume("changed", {"pretrained_weights": str(base)})
-    for text in changed.values():
-        assert text.startswith("CheckpointError") and "have changed since it was saved" in text and shard.name in text
+def test_resume_refuses_a_missing_base(lora):
+    root, base, _ = lora
     os.rename(base, root / "moved")
     try:
-        missing = resume("missing", {})
-        for text in missing.values():
+        for text in _refused_resume(lora, "missing", {}).values():
             assert "stores only its trainable weights" in text and "cannot be read" in text
     finally:
         shutil.move(root / "moved", base)
+
+
+@pytest.mark.slow  # test_qlora refuses a changed base in the default suite, through the same identity check
+def test_resume_refuses_a_changed_base(lora):
+    _, base, _ = lora
+    shard = sorted(base.glob("model-*.safetensors"))[-1]
+    original = shard.read_bytes()
+    data = bytearray(original)
+    data[-3] ^= 0x01  # same size, one weight's bits differ
+    shard.write_bytes(bytes(data))
+    try:
+        for text in _refused_resume(lora, "changed", {"pretrained_weights": str(base)}).values():
+            assert text.startswith("CheckpointError") and "have changed since it was saved" in text and shard.name in text
+    finally:
+        shard.write_bytes(original)
 
 
 def test_a_broken_directory_fails_on_every_rank_before_anything_is_allocated(bf16_llama, tmp_path):

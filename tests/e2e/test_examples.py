@@ -19,6 +19,7 @@ def test_hf_lora_example_writes_a_model_fine_tunes_it_and_exports_it(tmp_path):
     assert "trained 57,344 of 3,090,688 parameters" in proc.stdout
 
 
+@pytest.mark.slow  # test_qlora runs the same path with its exports; the Fabric example below runs in the default suite
 def test_hf_qlora_example_quantizes_the_base_fine_tunes_and_exports(tmp_path):
     pytest.importorskip("torchao")
     proc = run_python([str(REPO / "examples" / "finetune_hf_qlora.py"), "base", "3"], cwd=tmp_path, timeout=300)
