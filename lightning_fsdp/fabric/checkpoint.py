@@ -4,8 +4,8 @@ Both front ends write the same verified, atomic, reshardable directory through
 :class:`~lightning_fsdp.checkpoint.Checkpointer`: the model's shards under ``state_dict`` and the optimizers' under
 ``optimizer_states``, as the Trainer does. What is Fabric's own goes into one plain entry, :data:`FABRIC_ENTRY`: the
 names the model and optimizers had in ``state``, and every other entry (``state_dict()`` of objects that have one,
-plain values as they are). So ``consolidate``, ``verify``, ``inspect`` and ``seal`` read a Fabric checkpoint like a
-Trainer one, and ``fabric.load`` restores model and optimizer state from a Trainer checkpoint too.
+plain values as they are). So ``consolidate``, ``verify`` and ``inspect`` read a Fabric checkpoint as they read a
+Trainer one.
 """
 
 from __future__ import annotations

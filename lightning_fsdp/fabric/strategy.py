@@ -5,8 +5,8 @@ the replicate × shard mesh (:mod:`lightning_fsdp.parallel`), model preparation 
 checkpointing, compile, meta-device materialisation, pretrained weights read straight into the shards, the NF4 base
 (:func:`~lightning_fsdp.preparation.prepare_model`) — sharded clipping, the precision table, and the verified,
 atomic, resharding checkpoint directory (:class:`~lightning_fsdp.checkpoint.Checkpointer`). Fabric's state dict is
-mapped onto that directory by :mod:`lightning_fsdp.fabric.checkpoint`, so both front ends read each other's
-checkpoints and every ``lightning-fsdp`` command reads both.
+mapped onto that directory by :mod:`lightning_fsdp.fabric.checkpoint`, so the ``lightning-fsdp`` commands read
+Fabric checkpoints as they read the Trainer's.
 """
 
 from __future__ import annotations
