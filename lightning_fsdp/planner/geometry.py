@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from lightning_fsdp.planner.llama import LlamaDims
+    from lightning_fsdp.planner.dims import LlamaDims
 
 
 @dataclass(frozen=True)

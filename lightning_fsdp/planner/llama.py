@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from lightning_fsdp.planner.dims import DEFAULT_LORA_TARGETS, LlamaDims, LoraSpec
 from lightning_fsdp.planner.geometry import ModelSpec, Param, Unit
 
 #: published configs (facts from the models' config.json files)
@@ -28,55 +29,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mistral-7b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768),
 }
-#: PEFT's default LoRA targets for Llama-family models
-DEFAULT_LORA_TARGETS = ("q_proj", "v_proj")
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """LoRA of rank ``rank`` on the projections named in ``targets`` (the base is frozen)."""
-
-    rank: int = 8
-    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}.")
-
-
-@dataclass(frozen=True)
-class LlamaDims:
-    """A Llama-family decoder's shape."""
-
-    n_layer: int
-    d_model: int
-    n_head: int
-    n_kv_head: int
-    d_ff: int
-    vocab_size: int
-    seq_len: int
-    tie_weights: bool = False
-    head_dim: Optional[int] = None
-    attention_bias: bool = False
-    lora: Optional[LoraSpec] = None
-
-    def __post_init__(self) -> None:
-        for name in ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "vocab_size", "seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"LlamaDims.{name} must be a positive int, got {value!r}.")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}.")
-
-    @property
-    def head_size(self) -> int:
-        return self.head_dim or self.d_model // self.n_head
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_kv_head * self.head_size
-
-
 def llama_dims(config: Mapping[str, Any], seq_len: Optional[int] = None, lora: Optional[LoraSpec] = None) -> LlamaDims:
     """``LlamaDims`` from a HF config dict (``hidden_size``, ``num_key_value_heads``, ...)."""
     try:

@@ -91,6 +91,46 @@ def test_imports_only_point_down():
     assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
 
 
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_cycles_within_a_package():
+    """The layer rule above skips imports inside one package; cycles there are refused too (lazy and
+    ``TYPE_CHECKING`` imports included: a cycle is a cycle of meaning, whenever it is resolved)."""
+    modules = {_module_name(p): p for p in _modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                candidates = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            elif isinstance(node, ast.Import):
+                candidates = [a.name for a in node.names]
+            else:
+                continue
+            target = next((c for c in candidates if c in modules), None)
+            package = name.rsplit(".", 1)[0]
+            if target and target != name and target.rsplit(".", 1)[0] == package and target != package:
+                targets.add(target)
+        graph[name] = targets
+
+    def cycle_from(start: str) -> list[str]:
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    return path + [start]
+                if nxt not in path:
+                    stack.append((nxt, path + [nxt]))
+        return []
+
+    cycles = {tuple(sorted(set(c))): c for m in graph if (c := cycle_from(m))}
+    assert not cycles, "import cycles inside a package:\n" + "\n".join(" -> ".join(c) for c in cycles.values())
+
+
 def _external_imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
