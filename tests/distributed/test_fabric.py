@@ -73,6 +73,7 @@ def two_ranks(model_files, tmp_path_factory) -> dict[str, Any]:
         {"name": "straight", "save_at": 2, "save": checkpoint},
         {"name": "resumed", "joint_setup": True, "resume": checkpoint, "damaged": checkpoint},
         {"name": "accumulated", "accumulate": 2},
+        {"name": "from_hf_dir", "raw": model_files["model_dir"]},
         {"name": "preempted", "signal_rank": 1, "signal_at": 1, "save": str(root / "ckpt" / "preempted.ckpt")},
     ]
     results = fabric_job({**BASE, **model_files, "devices": 2, "strategy": "fsdp_custom", "runs": runs}, root, "two")
@@ -83,6 +84,11 @@ def two_ranks(model_files, tmp_path_factory) -> dict[str, Any]:
 
 def test_two_ranks_equal_one_process(two_ranks, reference):
     assert_same_run(two_ranks["straight"], reference)
+
+
+def test_load_raw_of_the_hf_directory_equals_load_raw_of_the_full_state_file(two_ranks):
+    """Each rank reads only its shards of the safetensors files; the run is the one started from the .pt file."""
+    assert_same_run(two_ranks["from_hf_dir"], two_ranks["straight"])
 
 
 def test_each_rank_holds_half_the_parameters(two_ranks):

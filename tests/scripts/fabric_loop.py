@@ -80,8 +80,8 @@ def one_run(fabric: L.Fabric, spec: dict[str, Any], run: dict[str, Any], counter
         state = {"model": model, "optimizer": optimizer, "step": 0}
         result["remainder"] = sorted(fabric.load(run["resume"], state))
         start = state["step"]
-    else:
-        fabric.load_raw(spec["raw_state"], model)
+    else:  # a full state-dict file, or (``raw``) any other source load_raw takes, e.g. the HF directory
+        fabric.load_raw(run.get("raw", spec["raw_state"]), model)
     data = batches(spec, config.vocab_size)
     world, rank = fabric.world_size, fabric.global_rank
     per_rank = spec["global_batch"] // world
