@@ -11,28 +11,26 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import group as lightning_group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_fsdp import _torch_compat as compat
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
+from lightning_fsdp.parallel.placement import MeshPlacement
 from lightning_fsdp.resilience import Resilience, collective
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class MeshStrategy(ParallelStrategy):
+class MeshStrategy(MeshPlacement, ParallelStrategy):
     """Processes, ranks, the data-parallel mesh and collectives. ``resilience`` handles failures between ranks."""
 
     def __init__(
@@ -56,55 +54,13 @@ class MeshStrategy(ParallelStrategy):
         self._device_mesh: Optional[DeviceMesh] = None
 
     @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
     def is_distributed(self) -> bool:
         """Tells Lightning to inject a ``DistributedSampler`` (it only knows its own strategy classes)."""
         return True
 
     @property
-    def mesh_shape(self) -> mesh_utils.MeshShape:
-        if self._mesh_shape is None:
-            self._mesh_shape = mesh_utils.resolve_mesh_shape(
-                self.replicate_size, self.shard_size, self.num_nodes * self.num_processes, self.num_nodes
-            )
-        return self._mesh_shape
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
-            raise RuntimeError(f"{type(self).__name__}.device_mesh is only available after the process group is set up.")
-        return self._device_mesh
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every data-parallel rank (replicas × shards) reads different data."""
-        if self._device_mesh is None:
-            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-        return {"num_replicas": self.mesh_shape.world_size, "rank": mesh_utils.data_parallel_rank(self._device_mesh)}
-
-    @property
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
-
-    def set_world_ranks(self) -> None:
-        """Called by the Trainer before any process starts: the mesh sizes are validated here, early."""
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        if self.parallel_devices:
-            self._mesh_shape = None
-            _ = self.mesh_shape
 
     @override
     def _configure_launcher(self) -> None:

@@ -123,6 +123,21 @@ def mixed_precision_policy(precision: str, override_policy: MixedPrecisionArg = 
     return MixedPrecisionPolicy(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
 
 
+def adopt_plugin(
+    ours: type, plugin: Any, generic: tuple[type, ...], mixed_precision: MixedPrecisionArg, owner: str, flag: str
+) -> Any:
+    """A front end's precision plugin in place of the ``generic`` one its framework built for ``flag`` (same
+    precision string), ``plugin`` itself if it is ours already, or a TypeError naming what to use instead."""
+    if plugin is None or isinstance(plugin, ours):
+        return plugin
+    if type(plugin) not in generic:
+        raise TypeError(
+            f"{owner} does not support the precision plugin {type(plugin).__name__}. Use {flag} with one of"
+            f" {sorted(PRECISIONS)}, or pass {ours.__module__}.{ours.__name__}(...) as the plugin."
+        )
+    return ours(getattr(plugin, "precision", "32-true"), mixed_precision=mixed_precision)
+
+
 class PrecisionPolicy:
     """One precision flag's behaviour, independent of the front end: FSDP2's dtype policy, what the model is
     converted to before sharding, the init dtype, the forward's autocast, input casts and the loss scaler.
@@ -204,14 +219,7 @@ class FSDP2Precision(Precision):
     @classmethod
     def adopt(cls, plugin: Optional[Precision], mixed_precision: MixedPrecisionArg, owner: str) -> Optional[FSDP2Precision]:
         """The plugin for Lightning's generic one (what ``Trainer(precision=...)`` builds), or a clear TypeError."""
-        if plugin is None or isinstance(plugin, FSDP2Precision):
-            return plugin
-        if type(plugin) not in _LIGHTNING_GENERIC_PLUGINS:
-            raise TypeError(
-                f"{owner} does not support the precision plugin {type(plugin).__name__}. Use Trainer(precision=...)"
-                f" with one of {sorted(PRECISIONS)}, or pass lightning_fsdp.FSDP2Precision(...) as the plugin."
-            )
-        return cls(getattr(plugin, "precision", "32-true"), mixed_precision=mixed_precision)
+        return adopt_plugin(cls, plugin, _LIGHTNING_GENERIC_PLUGINS, mixed_precision, owner, "Trainer(precision=...)")
 
     @property
     def device_type(self) -> str:

@@ -19,7 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fsdp.precision import PRECISIONS, MixedPrecisionArg, PrecisionPolicy
+from lightning_fsdp.precision import MixedPrecisionArg, PrecisionPolicy, adopt_plugin
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -39,14 +39,7 @@ class FSDP2FabricPrecision(Precision):
     @classmethod
     def adopt(cls, plugin: Optional[Precision], mixed_precision: MixedPrecisionArg, owner: str) -> Optional[FSDP2FabricPrecision]:
         """Ours for Fabric's generic plugin (what ``Fabric(precision=...)`` builds), or a clear TypeError."""
-        if plugin is None or isinstance(plugin, FSDP2FabricPrecision):
-            return plugin
-        if type(plugin) not in _FABRIC_GENERIC_PLUGINS:
-            raise TypeError(
-                f"{owner} does not support the precision plugin {type(plugin).__name__}. Use Fabric(precision=...)"
-                f" with one of {sorted(PRECISIONS)}, or pass lightning_fsdp.fabric.FSDP2FabricPrecision(...)."
-            )
-        return cls(getattr(plugin, "precision", "32-true"), mixed_precision=mixed_precision)
+        return adopt_plugin(cls, plugin, _FABRIC_GENERIC_PLUGINS, mixed_precision, owner, "Fabric(precision=...)")
 
     @property
     def mp_policy(self) -> MixedPrecisionPolicy:

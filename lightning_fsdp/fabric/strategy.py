@@ -26,10 +26,9 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.utilities.distributed import group as lightning_group
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -45,6 +44,7 @@ from lightning_fsdp.hf.info import annotate_checkpoint
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.parallel.grad_norm import clip_grad_norm_
+from lightning_fsdp.parallel.placement import MeshPlacement
 from lightning_fsdp.precision import MixedPrecisionArg
 from lightning_fsdp.preparation import Preparation, prepare_model
 from lightning_fsdp.resilience.preemption import Preemption
@@ -75,7 +75,7 @@ def _without_gradient_sync(module: Module) -> Generator[None, None, None]:
         module.set_requires_gradient_sync(True)
 
 
-class FSDPCustomFabricStrategy(ParallelStrategy):
+class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
     """Fully Sharded Data Parallel (FSDP2) for Fabric loops: ``Fabric(strategy="fsdp_custom")``.
 
     Takes the Trainer strategy's model arguments (``auto_wrap_policy``, ``activation_checkpointing_policy``,
@@ -149,38 +149,6 @@ class FSDPCustomFabricStrategy(ParallelStrategy):
         self._precision = FSDP2FabricPrecision.adopt(precision, self.mixed_precision, owner=type(self).__name__)
 
     # -- processes and mesh --------------------------------------------------------------------------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def mesh_shape(self) -> mesh_utils.MeshShape:
-        if self._mesh_shape is None:
-            self._mesh_shape = mesh_utils.resolve_mesh_shape(
-                self.replicate_size, self.shard_size, self.num_nodes * self.num_processes, self.num_nodes
-            )
-        return self._mesh_shape
-
-    @property
-    def device_mesh(self) -> Any:
-        if self._device_mesh is None:
-            raise RuntimeError(f"{type(self).__name__}.device_mesh is only available after the process group is set up.")
-        return self._device_mesh
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every data-parallel rank (replicas × shards) reads different data."""
-        if self._device_mesh is None:
-            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-        return {"num_replicas": self.mesh_shape.world_size, "rank": mesh_utils.data_parallel_rank(self._device_mesh)}
-
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -194,10 +162,7 @@ class FSDPCustomFabricStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         assert self.cluster_environment is not None
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        _ = self.mesh_shape  # sizes checked before any process group exists
+        self.set_world_ranks()
         backend = self._process_group_backend or process_group.default_backend(self.root_device)
         self._process_group_backend = backend
         compat.init_dist_connection(self.cluster_environment, backend, timeout=self._timeout,
