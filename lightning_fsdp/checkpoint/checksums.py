@@ -21,6 +21,7 @@ import os
 import stat
 import threading
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -104,17 +105,22 @@ def kind_of(mode: int) -> str:
     return "not a regular file"
 
 
+def gap_in(ranges: Sequence[tuple[int, ...]], size: int) -> Optional[str]:
+    """Why ``(offset, length, ...)`` ranges, in order, do not cover ``size`` bytes exactly once; ``None`` if they do."""
+    covered = 0
+    for offset, length, *_ in ranges:
+        if offset != covered or length < 1:
+            return f"its checksummed ranges do not cover the file in order (at byte {covered})"
+        covered += length
+    return None if covered == size else f"its checksummed ranges cover {covered} of its {size} bytes"
+
+
 def hash_entries(path: Path, ranges: list[tuple[int, int]], algorithm: str = HASH_ALGORITHM) -> FileEntry:
     """One checksum per byte range, reading the file once; the ranges must cover it in order (DCP's entries of a
     file written by another tool). Otherwise one checksum for the whole file."""
     size = os.lstat(path).st_size
     ranges = sorted(ranges)
-    covered = 0
-    for offset, length in ranges:
-        if offset != covered or length < 1:
-            return hash_file(path, algorithm, limit=size)
-        covered += length
-    if covered != size or len(ranges) < 2:
+    if gap_in(ranges, size) is not None or len(ranges) < 2:
         return hash_file(path, algorithm, limit=size)
     items = []
     with open(path, "rb") as f:

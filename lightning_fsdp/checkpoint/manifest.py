@@ -24,6 +24,7 @@ from lightning_fsdp.checkpoint.checksums import (
     FileEntry,
     NotARegularFile,
     check_items,
+    gap_in,
     hash_file,
     kind_of,
     require_regular,
@@ -130,13 +131,9 @@ def _entry_from_json(data: Mapping[str, Any]) -> FileEntry:
     if "items" not in data:
         return FileEntry(size, str(data["checksum"]))
     items = tuple((int(o), int(n), str(c)) for o, n, c in data["items"])
-    covered = 0
-    for offset, length, _ in items:
-        if offset != covered or length < 1:
-            raise ValueError(f"its checksummed ranges do not cover the file in order (at byte {covered})")
-        covered += length
-    if covered != size:
-        raise ValueError(f"its checksummed ranges cover {covered} of its {size} bytes")
+    gap = gap_in(items, size)
+    if gap is not None:
+        raise ValueError(gap)
     return FileEntry(size, "", items)
 
 

@@ -7,7 +7,7 @@ before it is parsed (:func:`~lightning_fsdp.checkpoint.safe_load.read_entry`), s
 every byte once. Files without per-entry checksums (format-1 manifests) are verified whole when opened. Nothing
 outside the checkpoint directory is ever opened.
 
-``consolidate``, the HF and PEFT exports and ``verify`` open checkpoints through it; the distributed load
+``consolidate`` and the HF and PEFT exports open checkpoints through it; the distributed load
 (:mod:`~lightning_fsdp.checkpoint.sharded_load`) shares its state-file reading and entry checks.
 """
 

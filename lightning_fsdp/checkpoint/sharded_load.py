@@ -34,7 +34,6 @@ from lightning_fsdp.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
     assign_files,
-    check_files,
     raise_damaged,
     read_manifest,
 )
@@ -71,26 +70,10 @@ def shard_share(manifest: Manifest) -> list[str]:
     return assign_files(sizes, world_size())[rank()]
 
 
-def _checked(path: Path, manifest: Manifest, names: Sequence[str], checksums: bool) -> list[str]:
-    """``check_files`` of the listed ``names`` (an unlisted file is refused when it is about to be read)."""
-    try:
-        return check_files(path, manifest, [n for n in names if n in manifest.files], checksums=checksums)
-    except OSError as err:
-        return [f"a file could not be read ({type(err).__name__}: {err})"]
-
-
 def raise_if_damaged(path: Path, problems: list[str]) -> None:
     """Every rank: if any rank found a problem, every rank raises the same error listing all of them."""
     if any_rank(bool(problems)):
         raise_damaged(path, sorted({p for per_rank in all_gather_object(problems) for p in per_rank}))
-
-
-def verify(path: Path, checksums: bool) -> Manifest:
-    """Every rank: the manifest, then every file verified (split over the ranks); the same error on every rank."""
-    manifest = agreed_manifest(path)
-    problems = _checked(path, manifest, STATE_FILES, checksums) if rank() == 0 else []
-    raise_if_damaged(path, problems + _checked(path, manifest, shard_share(manifest), checksums))
-    return manifest
 
 
 def load(
@@ -151,7 +134,7 @@ def load(
 
     with ThreadPoolExecutor(1, thread_name_prefix="lightning_fsdp-verify") as pool:
         shards = pool.submit(checks_before_reading, path, manifest, shard_share(manifest), checksums, verify_before_load)
-        problems = _checked(path, manifest, STATE_FILES, checksums)
+        problems = checks_before_reading(path, manifest, list(STATE_FILES), checksums, every_byte=True)
         prepared: Any = None
         if not problems:
             try:
