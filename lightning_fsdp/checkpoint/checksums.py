@@ -23,6 +23,7 @@ import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
 
@@ -48,6 +49,11 @@ class FileEntry:
     size: int
     checksum: str
     items: tuple[Item, ...] = ()
+
+    @cached_property
+    def item_checksums(self) -> dict[tuple[int, int], str]:
+        """``(offset, length)`` → checksum: one lookup per entry a load reads, not a scan of the file's entries."""
+        return {(offset, length): checksum for offset, length, checksum in self.items}
 
 
 class Crc32:

@@ -127,7 +127,7 @@ class CheckpointReader:
             if not is_safe_name(name):
                 raise CheckpointError(f"{self.path}: .metadata names a file outside the checkpoint: {name!r}.")
             f = self._files[name] = open(self.path / name, "rb")
-        return read_entry(f, self.path, name, (offset, length), self.manifest, checksums=self.verify, into=self._buffer)
+        return read_entry(f, self.path, name, (offset, length), self.manifest, self._buffer, checksums=self.verify)
 
     def close(self) -> None:
         for f in self._files.values():

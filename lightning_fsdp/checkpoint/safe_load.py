@@ -17,7 +17,7 @@ import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Optional
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -106,12 +106,11 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 def read_entry(
-    f: Any, root: Path, name: str, where: tuple[int, int], manifest: Any, checksums: bool = True,
-    into: Optional[EntryBuffer] = None,
-) -> Any:
-    """The bytes of one entry of ``root/name`` (open as ``f``), read once, never past the size the manifest gives,
-    and checked against the entry's own checksum before anything parses them (when the manifest has one). With
-    ``into``, read into that reused buffer (a view of it is returned) instead of fresh memory."""
+    f: Any, root: Path, name: str, where: tuple[int, int], manifest: Any, into: EntryBuffer, checksums: bool = True
+) -> memoryview:
+    """The bytes of one entry of ``root/name`` (open as ``f``), read once into the reused buffer ``into`` (a view of
+    it is returned), never past the size the manifest gives, and checked against the entry's own checksum before
+    anything parses them (when the manifest has one)."""
     offset, length = where
     end = offset + length
     entry = manifest.files.get(name)
@@ -123,16 +122,11 @@ def read_entry(
             f" has {entry.size} bytes in the manifest."
         )
     f.seek(offset)
-    if into is None:
-        data = f.read(length)
-        got = len(data)
-    else:
-        data = into.view(length)
-        got = f.readinto(data)
-    if got != length:
+    data = into.view(length)
+    if f.readinto(data) != length:
         raise CheckpointError(f"Checkpoint {root} is damaged: {name} ends inside bytes {offset}..{end}.")
     if checksums and entry.items:
-        expected = next((c for o, n, c in entry.items if (o, n) == where), None)
+        expected = entry.item_checksums.get(where)
         if expected is None:
             raise CheckpointError(
                 f"Checkpoint {root} is inconsistent: bytes {offset}..{end} of {name} are not an entry its manifest"
@@ -230,7 +224,7 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
                 if getattr(info, "transform_descriptors", None):
                     raise CheckpointError(f"{self.root / name}: entries written with stream transforms are not read.")
                 if last[0] != where:  # an entry several requests need is read and checked once
-                    last = (where, read_entry(f, self.root, name, where, self.manifest, into=buffer))
+                    last = (where, read_entry(f, self.root, name, where, self.manifest, buffer))
                 data = last[1]
                 if request.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(request, io.BytesIO(bytes(data)))
