@@ -193,7 +193,7 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
     def setup_module(self, module: Module) -> Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-        module = self.precision.convert_module(module)
+        # Fabric has converted the module's dtype already (`precision.convert_module`, before every setup)
         offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()
         plan = ShardingPlan(
             wrap_policy=self.auto_wrap_policy, activation_checkpointing=self.activation_checkpointing_policy,
