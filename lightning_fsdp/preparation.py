@@ -63,14 +63,16 @@ def prepare_model(model: nn.Module, mesh: DeviceMesh, preparation: Preparation) 
     units = sharded.units
     _train_hf_models_without_cache(model, sharded)
     source = preparation.pretrained_weights
-    sharded_source = source is not None and is_safetensors_source(source)
+    sharded_source = source if source is not None and is_safetensors_source(source) else None
     loaded = (
-        planned_keys(model, source, strict=preparation.strict, key_map=preparation.key_map) if sharded_source else ()
+        planned_keys(model, sharded_source, strict=preparation.strict, key_map=preparation.key_map)
+        if sharded_source is not None
+        else ()
     )
     materialize_meta_module(model, preparation.device, mesh, rules=LIBRARY_RULES + DEFAULT_RULES, loaded=loaded)
     base = None
-    if sharded_source:
-        plan = load_safetensors(model, source, strict=preparation.strict, key_map=preparation.key_map)
+    if sharded_source is not None:
+        plan = load_safetensors(model, sharded_source, strict=preparation.strict, key_map=preparation.key_map)
         base = loaded_base(plan, preparation.key_map)
     elif source is not None:
         from lightning_fsdp.checkpoint import load_pretrained

@@ -170,7 +170,8 @@ def ensure_pretrained(cfg: DictConfig) -> Optional[Path]:
         from lightning_fsdp.models.hf_causal_lm import write_random_model
 
         init = OmegaConf.to_container(cfg.pretrained_init, resolve=True)
-        write_random_model(path, dict(init))  # type: ignore[arg-type]
+        assert isinstance(init, dict)  # a HF config mapping
+        write_random_model(path, {str(key): value for key, value in init.items()})
         log.warning("pretrained_if_missing=init: wrote a freshly initialised %s model to %s", init["model_type"], path)
         return path
     import torch

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.formatting import short_list
@@ -64,7 +64,11 @@ def pop_reference(meta: dict[str, Any], where: Path) -> Optional[BaseReference]:
     return BaseReference.from_dict(data, where) if data is not None else None
 
 
-def require_resolver(reference: BaseReference, resolver: Optional[BaseResolver], where: Path) -> BaseResolver:
+#: a resolver, or another function of the reference (``consolidate`` reads the base weights through one)
+R = TypeVar("R", bound=Callable[[BaseReference], object])
+
+
+def require_resolver(reference: BaseReference, resolver: Optional[R], where: Path) -> R:
     if resolver is None:
         raise CheckpointError(
             f"{where} stores only the trainable weights: its {len(reference.keys)} frozen base weights come from"

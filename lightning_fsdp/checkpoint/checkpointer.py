@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,10 @@ from lightning_fsdp.checkpoint.checksums import kind_of
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.sharded import SAVE_HINT, StagedSave, agreed
 from lightning_fsdp.parallel.collectives import broadcast_object, is_distributed, on_rank_zero, rank, world_size
+from lightning_fsdp.parallel.mesh import MeshShape
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ log = logging.getLogger(__name__)
 class _PendingSave:
     """An async save whose shards are being written; committed at the next save, load or ``finalize``."""
 
-    future: Future
+    future: Union[Future, AsyncSaveResponse]  # torch's response carries the future as `upload_completion`
     save: StagedSave
     started: float
     removals: list[Path] = field(default_factory=list)
@@ -64,7 +68,7 @@ def _options(full: bool) -> Any:
     return StateDictOptions(full_state_dict=full, cpu_offload=full)
 
 
-def mesh_tuple(mesh_shape: Any) -> tuple[int, ...]:
+def mesh_tuple(mesh_shape: Union[MeshShape, Sequence[int], None]) -> tuple[int, ...]:
     """``MeshShape`` → ``(replicate, shard)``; ``None`` → ``(world size,)``."""
     if mesh_shape is None:
         return (world_size(),)
@@ -89,7 +93,7 @@ class Checkpointer:
         self.verify_checksums = bool(verify_checksums)
         self.verify_before_load = bool(verify_before_load)
         self._pending: Optional[_PendingSave] = None
-        self._async_group: Any = None
+        self._async_group: Optional[dist.ProcessGroup] = None
 
     # -- what goes into a checkpoint ----------------------------------------------------------------------------------
     @staticmethod
@@ -106,11 +110,11 @@ class Checkpointer:
         return get_optimizer_state_dict(model, optimizer, options=_options(full))
 
     # -- save ---------------------------------------------------------------------------------------------------------
-    def save(self, checkpoint: Mapping[str, Any], path: Path, mesh_shape: Any, full: bool) -> None:
+    def save(self, checkpoint: Mapping[str, Any], path: Path, mesh_shape: Optional[MeshShape], full: bool) -> None:
         """A checkpoint directory (every rank writes its shards) or, with ``full``, one ``.ckpt`` from rank 0."""
         (self.save_full if full else self.save_sharded)(checkpoint, path, mesh_shape=mesh_shape)
 
-    def save_sharded(self, checkpoint: Mapping[str, Any], path: Path, mesh_shape: Any = None) -> None:
+    def save_sharded(self, checkpoint: Mapping[str, Any], path: Path, mesh_shape: Optional[MeshShape] = None) -> None:
         """Write ``checkpoint`` (with DTensor model/optimizer state) as a checkpoint directory at ``path``."""
         path = Path(path)
         self._commit_pending()
@@ -123,12 +127,12 @@ class Checkpointer:
         sharded.write_shards(save)
         sharded.commit(save)
 
-    def save_full(self, checkpoint: Mapping[str, Any], path: Path, mesh_shape: Any = None) -> None:
+    def save_full(self, checkpoint: Mapping[str, Any], path: Path, mesh_shape: Optional[MeshShape] = None) -> None:
         """Rank 0 writes one ordinary Lightning ``.ckpt`` (full tensors, integer-keyed optimizer state)."""
         self._commit_pending()
         full.save(checkpoint, Path(path))
 
-    def _group_for_async(self) -> Any:
+    def _group_for_async(self) -> dist.ProcessGroup:
         """Background writes need their own (gloo) group: collectives must not interleave with training's."""
         if self._async_group is None:
             self._async_group = dist.new_group(backend="gloo")
@@ -140,7 +144,9 @@ class Checkpointer:
             return
 
         def wait() -> None:
-            getattr(pending.future, "upload_completion", pending.future).result()
+            response = pending.future
+            future = response if isinstance(response, Future) else response.upload_completion
+            future.result()
 
         try:
             agreed(

@@ -25,8 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional
+from types import ModuleType
+from typing import Any, Optional, Union
 
+_crc32c: Optional[ModuleType]
 try:
     import crc32c as _crc32c
 except ImportError:  # pragma: no cover - the package is a dependency; this keeps a broken install working
@@ -111,7 +113,7 @@ def kind_of(mode: int) -> str:
     return "not a regular file"
 
 
-def gap_in(ranges: Sequence[tuple[int, ...]], size: int) -> Optional[str]:
+def gap_in(ranges: Sequence[Union[tuple[int, int], Item]], size: int) -> Optional[str]:
     """Why ``(offset, length, ...)`` ranges, in order, do not cover ``size`` bytes exactly once; ``None`` if they do."""
     covered = 0
     for offset, length, *_ in ranges:

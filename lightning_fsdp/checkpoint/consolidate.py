@@ -100,7 +100,9 @@ def consolidate_checkpoint(
     manifest, meta, paths = reader.manifest, reader.meta, reader.paths
     try:
         reference = pop_reference(meta, src)
-        base = require_resolver(reference, base_tensors, src)(reference) if reference is not None else {}
+        base: dict[str, Entry] = {}
+        if reference is not None:
+            base = require_resolver(reference, base_tensors, src)(reference)
         unknown = sorted(set(paths) - set(reader.tensor_keys()))
         if unknown:
             raise CheckpointError(f"{src}: meta.pt lists tensors that .metadata does not hold: {unknown[:5]}.")
@@ -117,9 +119,9 @@ def consolidate_checkpoint(
         entries.update({("state_dict", key): entry for key, entry in base.items()})
         with commit_ops.staged(dst) as staging:
             if format == "safetensors":
-                weights = {str(p[1]): e for p, e in entries.items() if p[0] == "state_dict" and len(p) == 2}
-                bar = _Progress(len(weights), sum(entry_bytes(e) for e in weights.values()), progress)
-                write_safetensors(staging, weights, {"source": manifest.target, "format": "pt"}, bar.update)
+                model_weights = {str(p[1]): e for p, e in entries.items() if p[0] == "state_dict" and len(p) == 2}
+                bar = _Progress(len(model_weights), sum(entry_bytes(e) for e in model_weights.values()), progress)
+                write_safetensors(staging, model_weights, {"source": manifest.target, "format": "pt"}, bar.update)
             else:
                 bar = _Progress(len(entries), sum(entry_bytes(e) for e in entries.values()), progress)
                 tensors: dict[TensorPath, torch.Tensor] = {}

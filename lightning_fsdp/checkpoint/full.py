@@ -119,6 +119,7 @@ def load(
         return ckpt
 
     rest = broadcast_object(agreed(on_rank_zero(read), f"Loading checkpoint {path}"))
+    assert rest is not None  # rank 0's checkpoint dict, on every rank
     has_optim = broadcast_object(holder.get("optim") is not None) and bool(optimizers)
     is_zero = rank() == 0
     broadcast = is_distributed()  # rank 0 alone holds the full tensors; the others receive their shards

@@ -145,7 +145,7 @@ def is_safe_name(name: str) -> bool:
 def versions() -> dict[str, str]:
     import torch
 
-    out = {"torch": torch.__version__}
+    out: dict[str, str] = {"torch": torch.__version__}
     try:
         import lightning
 

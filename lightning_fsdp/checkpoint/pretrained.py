@@ -124,6 +124,7 @@ def load_pretrained(
         return LoadReport(fit.missing, fit.unexpected, fit.converted)
 
     report = broadcast_object(agreed(on_rank_zero(read), f"Loading pretrained weights {path}"))
+    assert report is not None  # rank 0's report, on every rank
     if rank() == 0 and report.cast_keys:
         warnings.warn(
             f"Pretrained weights {path} are converted to the model's dtypes: {short_list(report.cast_keys)}.",

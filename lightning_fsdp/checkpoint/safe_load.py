@@ -17,7 +17,7 @@ import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -99,9 +99,10 @@ class SafeFileSystemReader(FileSystemReader):
         rank = kwargs.get("rank")
         path = Path(dcp_metadata_path(self, rank))
         metadata = load_metadata_bytes(path.read_bytes(), path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta: Optional[StorageMeta] = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -179,7 +180,7 @@ class EntryBuffer:
     def view(self, length: int) -> memoryview:
         if self._bytes.numel() < length:
             self._bytes = torch.empty(length, dtype=torch.uint8)
-        return memoryview(self._bytes.numpy())[:length]
+        return self._bytes.numpy().data[:length]
 
     def load(self, data: memoryview, where: Any) -> Any:
         """``torch.load(weights_only=True)`` of the entry ``data`` (a view this buffer returned)."""

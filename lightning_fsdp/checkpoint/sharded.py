@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
@@ -51,6 +51,10 @@ from lightning_fsdp.parallel.collectives import (
     rank,
     world_size,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 T = TypeVar("T")
 
@@ -184,8 +188,9 @@ def stage(checkpoint: Mapping[str, Any], path: Path, mesh: tuple[int, ...]) -> S
     return save
 
 
-def write_shards(save: StagedSave, async_group: Any = None) -> Optional[Future]:
-    """Every rank writes its shards; with ``async_group`` in the background (returns the future to wait for)."""
+def write_shards(save: StagedSave, async_group: Optional[ProcessGroup] = None) -> Union[Future, AsyncSaveResponse, None]:
+    """Every rank writes its shards; with ``async_group`` in the background (returns what to wait for: a future, or
+    torch's response whose ``upload_completion`` is the future)."""
     import torch.distributed.checkpoint as dcp
 
     writer = RecordingWriter(save.staging, save.records)

@@ -60,10 +60,11 @@ def extract_tensors(tree: Any, prefix: TensorPath = ()) -> tuple[Any, dict[Tenso
                         f"Checkpoint key {key!r} at {_fmt(path)} is a {type(key).__name__}; only str and int keys"
                         " can be saved. Rename the entry in `on_save_checkpoint`."
                     )
+                child: TensorPath = (*path, key)
                 if isinstance(value, torch.Tensor):
-                    tensors[(*path, key)] = value
+                    tensors[child] = value
                 else:
-                    out[key] = walk(value, (*path, key))
+                    out[key] = walk(value, child)
             return out
         if isinstance(node, (list, tuple)):
             items = [walk(v, (*path, i)) for i, v in enumerate(node)]
@@ -90,6 +91,7 @@ def insert_tensors(skeleton: Any, tensors: Mapping[TensorPath, torch.Tensor], pr
                     node[key] = {} if isinstance(nxt, str) else []
                 node = node[key]
             else:
+                assert isinstance(key, int), f"list position {key!r} at {_fmt(path)}"
                 while len(node) <= key:
                     node.append(None)
                 if node[key] is None:
@@ -99,6 +101,7 @@ def insert_tensors(skeleton: Any, tensors: Mapping[TensorPath, torch.Tensor], pr
         if isinstance(node, dict):
             node[last] = tensor
         else:
+            assert isinstance(last, int), f"list position {last!r} at {_fmt(path)}"
             while len(node) <= last:
                 node.append(None)
             node[last] = tensor

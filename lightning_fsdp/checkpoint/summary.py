@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_fsdp.checkpoint.base_weights import PRETRAINED_ENTRY, QUANTIZED_ENTRY
 from lightning_fsdp.checkpoint.checksums import HASH_ALGORITHM
@@ -97,7 +98,7 @@ def _describe_directory(path: Path) -> dict[str, Any]:
     tensor_map = (meta.get(META_KEY) or {}).get("tensors") if sealed else None
     shapes: dict[TensorPath, tuple[torch.dtype, tuple[int, ...]]] = {}
     for key, md in metadata.state_dict_metadata.items():
-        if hasattr(md, "chunks"):
+        if isinstance(md, TensorStorageMetadata):
             place = tuple(tensor_map[key]) if tensor_map and key in tensor_map else tuple(key.split(".", 1))
             shapes[place] = (md.properties.dtype, tuple(md.size))
     out: dict[str, Any] = {

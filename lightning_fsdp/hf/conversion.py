@@ -19,13 +19,17 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
 from lightning_fsdp.hf.directory import HFDirectory, TensorInfo
 from lightning_fsdp.hf.init_rules import pretrained_model_class
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 Read = Callable[[str], torch.Tensor]  # file key → the whole tensor
 
@@ -76,7 +80,7 @@ class Conversion:
         return self.fused[key].file_keys if key in self.fused else [self.renamed[key]]
 
 
-def hf_model_in(module: nn.Module) -> Optional[nn.Module]:
+def hf_model_in(module: nn.Module) -> Optional[PreTrainedModel]:
     """The outermost ``transformers.PreTrainedModel`` inside ``module`` (``None`` without transformers)."""
     pretrained = pretrained_model_class()
     if pretrained is None:
@@ -84,7 +88,7 @@ def hf_model_in(module: nn.Module) -> Optional[nn.Module]:
     return next((m for m in module.modules() if isinstance(m, pretrained)), None)
 
 
-def _loading_api() -> Optional[Any]:
+def _loading_api() -> Optional[ModuleType]:
     """transformers' loading-time conversion module (transformers ≥ 5), or ``None`` before it existed."""
     try:
         from transformers import core_model_loading
@@ -94,7 +98,7 @@ def _loading_api() -> Optional[Any]:
     return core_model_loading
 
 
-def _transforms(hf_model: nn.Module) -> Optional[tuple[list[Any], list[Any]]]:
+def _transforms(hf_model: PreTrainedModel) -> Optional[tuple[list[Any], list[Any]]]:
     api = _loading_api()
     if api is None:
         return None
@@ -106,7 +110,7 @@ def _transforms(hf_model: nn.Module) -> Optional[tuple[list[Any], list[Any]]]:
     return renamings, converters
 
 
-def conversion_for(hf_model: Optional[nn.Module], directory: HFDirectory) -> Optional[Conversion]:
+def conversion_for(hf_model: Optional[PreTrainedModel], directory: HFDirectory) -> Optional[Conversion]:
     """The directory's tensors under the keys ``hf_model`` has for them; ``None`` when no key changes (dense Llama,
     Mistral, Qwen2 and every checkpoint already in the model's layout)."""
     if hf_model is None:
@@ -118,6 +122,7 @@ def conversion_for(hf_model: Optional[nn.Module], directory: HFDirectory) -> Opt
     if not renamings and not converters:
         return None
     api = _loading_api()
+    assert api is not None  # ``_transforms`` found it
     renamed: dict[str, str] = {}
     groups: dict[str, tuple[Any, dict[str, list[str]]]] = {}
     for file_key in sorted(directory.tensors, key=api.dot_natural_key):
@@ -165,7 +170,7 @@ def _row_local(converter: Any, sources: tuple[tuple[str, tuple[str, ...]], ...],
     return len({len(keys) for _, keys in sources}) == 1
 
 
-def revert_tensor(hf_model: nn.Module, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+def revert_tensor(hf_model: PreTrainedModel, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """``key`` of ``hf_model``'s state dict as ``save_pretrained`` writes it: transformers' own reverse mapping
     (``mlp.experts.gate_up_proj`` → every expert's ``w1`` and ``w3``); a key without a conversion is unchanged."""
     if _loading_api() is None:

@@ -20,8 +20,9 @@ import json
 import shutil
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union, overload
 
 import torch
 from torch import nn
@@ -39,6 +40,9 @@ from lightning_fsdp.hf.info import HF_ENTRY
 from lightning_fsdp.hf.keys import KeyLayout, detect_layout, is_adapter_key
 from lightning_fsdp.precision import parse_dtype
 from lightning_fsdp.sharding import tied_aliases
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 Source = Callable[[], torch.Tensor]
 #: what a QLoRA checkpoint's adapters are merged into: the original base files, or the base as training saw it
@@ -66,7 +70,7 @@ class CheckpointTensors:
         self.sources: dict[str, Source] = {}
         self.shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         for name, key in weight_paths(self.reader.paths, weights, src).items():
-            self.sources[name] = lambda key=key: self.reader.read(key)
+            self.sources[name] = partial(self.reader.read, key)
             self.shapes[name] = self.reader.describe(key)
         reference = pop_reference(meta, src)
         quantized = pop_quantized(meta, src)
@@ -89,10 +93,8 @@ class CheckpointTensors:
                 " `pretrained_weights=` to export, or export the weights from the run."
             )
         if roundtrip:
-            from lightning_fsdp.sharding import nf4
-
             for key in names:
-                self.sources[key] = lambda read=self.sources[key]: nf4.roundtrip(read())
+                self.sources[key] = _roundtripped(self.sources[key])
 
     def _add_base(self, reference: BaseReference, base_dir: Optional[Union[str, Path]]) -> None:
         root = Path(base_dir) if base_dir is not None else Path(reference.path)
@@ -149,6 +151,10 @@ def base_entries(reference: BaseReference, root: Path, src: Path) -> dict[str, E
     return entries
 
 
+@overload
+def build_skeleton(info: dict[str, Any], with_adapters: Literal[False]) -> PreTrainedModel: ...
+@overload
+def build_skeleton(info: dict[str, Any], with_adapters: bool) -> nn.Module: ...
 def build_skeleton(info: dict[str, Any], with_adapters: bool) -> nn.Module:
     """The HF model (wrapped by PEFT with the checkpoint's adapters, if asked) on the meta device."""
     import transformers
@@ -169,10 +175,18 @@ def build_skeleton(info: dict[str, Any], with_adapters: bool) -> nn.Module:
 
             adapters = dict(info["adapters"])
             first, *rest = adapters
-            model = get_peft_model(model, PeftConfig.from_peft_type(**adapters[first]), adapter_name=first)
+            peft_model = get_peft_model(model, PeftConfig.from_peft_type(**adapters[first]), adapter_name=first)
             for name in rest:
-                model.add_adapter(name, PeftConfig.from_peft_type(**adapters[name]))
+                peft_model.add_adapter(name, PeftConfig.from_peft_type(**adapters[name]))
+            return peft_model
     return model
+
+
+def _roundtripped(read: Source) -> Source:
+    """``read``'s weight as training saw it: quantized to NF4 and back."""
+    from lightning_fsdp.sharding import nf4
+
+    return lambda: nf4.roundtrip(read())
 
 
 def merged_sources(tensors: CheckpointTensors, info: dict[str, Any]) -> dict[str, Source]:
@@ -182,12 +196,14 @@ def merged_sources(tensors: CheckpointTensors, info: dict[str, Any]) -> dict[str
     peft_model = build_skeleton(info, with_adapters=True)
     peft_prefix = info.get("peft_prefix") or ""
     out: dict[str, Source] = {}
+    layer: nn.Module
     for name, layer in peft_model.named_modules():
         if not isinstance(layer, LoraLayer):
             continue
         base_keys = [f"{peft_prefix}{name}.base_layer.{p}" for p, _ in layer.get_base_layer().named_parameters()]
 
         def merge(layer: nn.Module = layer, name: str = name) -> dict[str, torch.Tensor]:
+            assert isinstance(layer, LoraLayer)
             layer.to_empty(device="cpu")
             with torch.no_grad():
                 for param_name, param in layer.named_parameters():
@@ -205,7 +221,7 @@ def merged_sources(tensors: CheckpointTensors, info: dict[str, Any]) -> dict[str
             return cache["layer"].pop(param)
 
         for key in base_keys:
-            out[key] = lambda param=key.rpartition(".")[2], merged=merged: merged(param)
+            out[key] = partial(merged, key.rpartition(".")[2])
     return out
 
 
@@ -282,7 +298,10 @@ def export_peft(src: Union[str, Path], dst: Union[str, Path], *, verify: bool = 
             raise CheckpointError(f"{src} holds no PEFT adapter; export the model with --format hf.")
         peft_prefix = info.get("peft_prefix") or ""
         adapter = {key[len(peft_prefix):]: read() for key, read in tensors.sources.items() if is_adapter_key(key)}
-        model = build_skeleton(info, with_adapters=True)
+        model = build_skeleton(info, with_adapters=True)  # imports PEFT (quietly)
+        from peft import PeftModel
+
+        assert isinstance(model, PeftModel)  # the checkpoint has adapters, so the skeleton is wrapped
         unknown = model.load_state_dict(adapter, strict=False, assign=True).unexpected_keys
         if unknown:
             raise CheckpointError(f"{src}: adapter tensors the rebuilt PEFT model does not have: {short_list(unknown)}.")

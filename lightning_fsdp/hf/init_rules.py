@@ -14,21 +14,25 @@ Both rules only look at classes from modules already imported, so neither librar
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import nn
 
 from lightning_fsdp._torch_compat import hf_init_weights
 
+if TYPE_CHECKING:
+    from peft.tuners.lora.layer import LoraLayer
+    from transformers import PreTrainedModel
+
 _SIMPLE_LORA_INITS = (True, False, "gaussian")
 
 
-def _peft_lora_layer_class() -> Optional[type]:
+def _peft_lora_layer_class() -> Optional[type[LoraLayer]]:
     module = sys.modules.get("peft.tuners.lora.layer")
     return getattr(module, "LoraLayer", None) if module is not None else None
 
 
-def pretrained_model_class() -> Optional[type]:
+def pretrained_model_class() -> Optional[type[PreTrainedModel]]:
     """``transformers.PreTrainedModel`` if transformers is imported already (never imports it)."""
     module = sys.modules.get("transformers.modeling_utils")
     return getattr(module, "PreTrainedModel", None) if module is not None else None
@@ -50,7 +54,9 @@ def _adapter_config(model: nn.Module, layer_name: str, adapter: str) -> Any:
     return None
 
 
-def _lora_owner(model: nn.Module, name: str, module: nn.Module, lora_layer: type) -> Optional[tuple[str, nn.Module, list[str]]]:
+def _lora_owner(
+    model: nn.Module, name: str, module: nn.Module, lora_layer: type[LoraLayer]
+) -> Optional[tuple[str, LoraLayer, list[str]]]:
     """The ``LoraLayer`` an adapter module belongs to, its name and the adapter names: ``<layer>.lora_A.<adapter>``
     (a module in a ``ModuleDict``) or ``<layer>.lora_embedding_A`` (a ``ParameterDict`` of adapters)."""
     parent_name, parent = _parent(model, name)
@@ -75,15 +81,15 @@ def peft_adapter_rule(model: nn.Module, name: str, module: nn.Module) -> Optiona
     inits = {}
     for adapter in adapters:
         config = _adapter_config(model, layer_name, adapter)
-        init = getattr(config, "init_lora_weights", True) if config is not None else True
+        how = getattr(config, "init_lora_weights", True) if config is not None else True
         dora = bool(getattr(config, "use_dora", False))
-        if dora or init not in _SIMPLE_LORA_INITS:
+        if dora or how not in _SIMPLE_LORA_INITS:
             raise TypeError(
-                f"{layer_name}: adapter {adapter!r} uses init_lora_weights={init!r}{' with DoRA' if dora else ''},"
+                f"{layer_name}: adapter {adapter!r} uses init_lora_weights={how!r}{' with DoRA' if dora else ''},"
                 " which needs the pretrained base weights; on the meta device they are not loaded yet. Build the"
                 " PEFT model eagerly after loading the base, or use init_lora_weights=True / 'gaussian' without DoRA."
             )
-        inits[adapter] = init
+        inits[adapter] = how
 
     def init() -> None:
         for adapter, how in inits.items():

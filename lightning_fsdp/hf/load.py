@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import nn
@@ -47,6 +47,10 @@ from lightning_fsdp.parallel.collectives import rank
 from lightning_fsdp.parallel.mesh import local_rows, local_shard
 from lightning_fsdp.sharding import tied_aliases
 from lightning_fsdp.sharding.quantize import fill, is_quantized, rows_like
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import STORAGE_TYPES
+    from torch.distributed.checkpoint.state_dict import ValueType
 
 RESTORE_HINT = "The model may be partly loaded: do not train from this state; fix the weights and start again."
 
@@ -103,9 +107,9 @@ def plan_load(
     covered: list[str] = []
     used: set[str] = set()
     for group in aliases.values():  # tied weights: one file key serves every name of the tensor
-        found = [(k, layout.file_key(k)) for k in group if layout.file_key(k) in available]
+        found = [(k, file_key) for k in group if (file_key := layout.file_key(k)) is not None and file_key in available]
         if found:
-            file_key_of[found[0][0]] = found[0][1]  # type: ignore[assignment]
+            file_key_of[found[0][0]] = found[0][1]
             used.update(f for _, f in found)  # a file may store each name of a tied tensor
             covered += group
         else:
@@ -138,7 +142,7 @@ class DirectoryReader(HuggingFaceStorageReader):
         self.directory = directory
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        tensors: dict[str, TensorStorageMetadata] = {}
+        tensors: dict[str, STORAGE_TYPES] = {}
         storage: dict[MetadataIndex, Any] = {}
         for key, info in self.directory.tensors.items():
             zeros = torch.Size([0] * len(info.shape))
@@ -195,7 +199,7 @@ def load_safetensors(
         with torch.no_grad():
             fill(param, local_shard(rows))
         del rows
-    loaded = {k: model_sd[k] for k in plan.file_key_of if not is_quantized(model_sd[k])}
+    loaded: dict[str, ValueType] = {k: model_sd[k] for k in plan.file_key_of if not is_quantized(model_sd[k])}
     agreed(
         lambda: set_model_state_dict(model, loaded, options=StateDictOptions(strict=False)),
         f"Loading pretrained weights {path}",

@@ -14,8 +14,7 @@ per-step collectives (and SyncBatchNorm does not run on CPU).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import lightning as L
 import torch
@@ -103,17 +102,17 @@ class ShapesCNN(L.LightningModule):
         self.log("val_acc", values["acc"], prog_bar=True, sync_dist=True)
 
     def _sync_batchnorm(self) -> None:
-        if self.hparams.sync_batchnorm_stats and self.trainer.world_size > 1:
+        if self.hparams["sync_batchnorm_stats"] and self.trainer.world_size > 1:
             average_batchnorm_stats(self, lambda t: self.trainer.strategy.reduce(t, reduce_op="mean"))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=self.hparams["weight_decay"])
 
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
-def average_batchnorm_stats(module: nn.Module, mean_over_ranks: Any) -> int:
+def average_batchnorm_stats(module: nn.Module, mean_over_ranks: Callable[[Tensor], Tensor]) -> int:
     """Replace every BatchNorm's running mean/var by ``mean_over_ranks(tensor)``; returns how many layers.
 
     ``mean_over_ranks`` is a collective (e.g. ``strategy.reduce(t, reduce_op="mean")``): call on every rank.
@@ -121,8 +120,11 @@ def average_batchnorm_stats(module: nn.Module, mean_over_ranks: Any) -> int:
     count = 0
     with torch.no_grad():
         for m in module.modules():
-            if isinstance(m, _BATCH_NORMS) and m.track_running_stats and m.running_mean is not None:
-                m.running_mean.copy_(mean_over_ranks(m.running_mean.clone()))
-                m.running_var.copy_(mean_over_ranks(m.running_var.clone()))
+            if not isinstance(m, _BATCH_NORMS) or not m.track_running_stats:
+                continue
+            mean, var = m.running_mean, m.running_var
+            if mean is not None and var is not None:
+                mean.copy_(mean_over_ranks(mean.clone()))
+                var.copy_(mean_over_ranks(var.clone()))
                 count += 1
     return count

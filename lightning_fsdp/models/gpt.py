@@ -24,6 +24,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 
 from lightning_fsdp.models.gpt_config import GPTConfig, count_params, get_preset
@@ -63,6 +64,9 @@ class RotaryEmbedding(nn.Module):
     Buffers created on the meta device hold no values; ``reset_parameters`` is what makes them correct after
     the strategy materialises the model.
     """
+
+    cos: Tensor
+    sin: Tensor
 
     def __init__(self, head_dim: int, max_seq_len: int, base: float = 10000.0) -> None:
         super().__init__()
@@ -252,19 +256,19 @@ class GPTLightningModule(L.LightningModule):
         self.log("val_ppl", values["ppl"], sync_dist=True)
         self.log("val_acc", values["acc"], sync_dist=True)
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         h = self.hparams
         decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": h.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=h.lr,
-            betas=tuple(h.betas),
+            [{"params": decay, "weight_decay": h["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=h["lr"],
+            betas=tuple(h["betas"]),
         )
-        total = h.max_steps if h.max_steps else self.trainer.estimated_stepping_batches
+        total = h["max_steps"] if h["max_steps"] else self.trainer.estimated_stepping_batches
         total = int(total) if math.isfinite(total) else 10**9
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_multiplier(step, h.warmup_steps, total, h.min_lr_ratio)
+            optimizer, lambda step: lr_multiplier(step, h["warmup_steps"], total, h["min_lr_ratio"])
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -55,12 +55,13 @@ class HFCausalLM(L.LightningModule):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         h = self.hparams
-        if h.from_pretrained:
-            model = AutoModelForCausalLM.from_pretrained(str(h.model_dir), dtype=torch.get_default_dtype())
+        model: torch.nn.Module
+        if h["from_pretrained"]:
+            model = AutoModelForCausalLM.from_pretrained(str(h["model_dir"]), dtype=torch.get_default_dtype())
         else:
-            config = AutoConfig.from_pretrained(str(h.model_dir))
+            config = AutoConfig.from_pretrained(str(h["model_dir"]))
             model = AutoModelForCausalLM.from_config(config, dtype=torch.get_default_dtype())
-        if h.lora:
+        if h["lora"]:
             from lightning_fsdp.sharding import nf4
 
             nf4.import_quietly()  # PEFT imports torchao when it is installed; without its CPU-only log lines
@@ -68,7 +69,7 @@ class HFCausalLM(L.LightningModule):
 
             with warnings.catch_warnings():  # PEFT reads a property transformers has deprecated
                 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
-                model = get_peft_model(model, LoraConfig(**dict(h.lora)))
+                model = get_peft_model(model, LoraConfig(**dict(h["lora"])))
         self.model = model
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -115,7 +116,7 @@ class HFCausalLM(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         h = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=h.lr, weight_decay=h.weight_decay, betas=tuple(h.betas))
+        return torch.optim.AdamW(params, lr=h["lr"], weight_decay=h["weight_decay"], betas=tuple(h["betas"]))
 
 
 def _byte_characters() -> dict[int, str]:

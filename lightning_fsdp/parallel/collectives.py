@@ -41,7 +41,7 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
-def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
+def broadcast_object(obj: T, src: int = 0, group: Optional[dist.ProcessGroup] = None) -> T:
     """Rank ``src``'s value on every rank. Only for this package's own plain data (it is pickled)."""
     if not is_distributed():
         return obj

@@ -118,11 +118,11 @@ def resolve_spec(args: argparse.Namespace) -> ModelSpec:
         if args.width is None or args.vocab is None:
             raise ValueError("--layers needs --width and --vocab (and --heads, --seq for the activation estimate).")
         heads = args.heads or max(1, args.width // 64)
-        dims = GPTDims(
+        gpt_dims = GPTDims(
             n_layer=args.layers, d_model=args.width, n_head=heads, vocab_size=args.vocab,
             seq_len=args.seq or 1024, mlp_ratio=args.mlp_ratio, tie_weights=not args.untied,
         )
-        spec = gpt_model_spec(dims, f"gpt L{args.layers} d{args.width} V{args.vocab}")
+        spec = gpt_model_spec(gpt_dims, f"gpt L{args.layers} d{args.width} V{args.vocab}")
     if spec.gpt is not None and args.seq is not None:
         spec = replace(spec, gpt=replace(spec.gpt, seq_len=args.seq))
     return spec

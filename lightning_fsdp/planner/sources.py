@@ -136,8 +136,10 @@ def spec_from_config(cfg: Any, name: str = "config", instantiate: bool = True) -
             plain = OmegaConf.to_container(cfg, resolve=True)
         except OmegaConfBaseException:  # a lone YAML file that interpolates other groups: keep what is literal
             raw = OmegaConf.to_container(cfg, resolve=False)
+            assert isinstance(raw, dict)  # a DictConfig's container
             plain = {k: v for k, v in raw.items() if not (isinstance(v, str) and "${" in v)}
             cfg = OmegaConf.create(plain)
+        assert isinstance(plain, dict)
     else:
         plain = dict(cfg)
     gpt = gpt_dims_from_mapping(plain)

@@ -70,6 +70,11 @@ class AgreedLoader:
     """
 
     _OWN = ("_loader", "_progress", "_skip", "_device", "_stage")
+    _loader: Any
+    _progress: Callable[[], tuple[int, Any]]
+    _skip: int
+    _device: torch.device
+    _stage: str
 
     def __init__(
         self, loader: Any, progress: Callable[[], tuple[int, Any]], device: torch.device, stage: str = "training"

@@ -78,4 +78,4 @@ def _compile_forward(module: nn.Module, name: str, options: Mapping[str, Any]) -
                 f" To train anyway, {fix} compile=False (or leave this block out of the wrap policy)."
             ) from err
 
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward

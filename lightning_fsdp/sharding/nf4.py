@@ -112,6 +112,11 @@ def compute_device(tensor: Any) -> torch.device:
     return tensor.nf4.device
 
 
+def data_device(tensor: Any) -> torch.device:
+    """Where ``tensor`` (an ``NF4Tensor``) stores its 4-bit data."""
+    return tensor.quantized_data.device
+
+
 def block_absmax(rows: torch.Tensor) -> torch.Tensor:
     """The absmax of every 64-element block of ``rows`` (bf16), in storage order."""
     return _torchao().get_block_absmax(rows.flatten(), BLOCK_SIZE)

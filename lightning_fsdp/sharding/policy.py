@@ -90,7 +90,7 @@ def resolve_policy(policy: WrapPolicy, model: nn.Module, *, arg_name: str = "aut
     if callable(policy):
         fn = policy
         return UnitPolicy(lambda module, _n: bool(fn(module)))
-    items = list(policy)  # type: ignore[arg-type]
+    items = list(policy)
     classes = tuple(c for c in items if isinstance(c, type))
     names = frozenset(c for c in items if isinstance(c, str))
     return UnitPolicy(lambda module, _n: isinstance(module, classes) or class_matches(module, names))

@@ -152,7 +152,7 @@ def rows_like(param: torch.Tensor, device: Optional[torch.device] = None) -> tor
     from torch.distributed.tensor import DTensor
 
     local = local_shard(param)
-    empty = torch.empty(local.shape, dtype=nf4.DTYPE, device=device or local.quantized_data.device)
+    empty = torch.empty(local.shape, dtype=nf4.DTYPE, device=device or nf4.data_device(local))
     if not isinstance(param, DTensor):
         return empty
     return DTensor.from_local(empty, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(),
