@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fsdp import FSDPCustomStrategy
 from lightning_fsdp.data import TextCorpusDataModule
-from lightning_fsdp.memory import MemoryReport
+from lightning_fsdp import MemoryReport
 from lightning_fsdp.models import GPTLightningModule
 
 

@@ -5,12 +5,11 @@
 """
 
 from lightning_fsdp._version import __version__
-from lightning_fsdp.averaging import ShardedEMA
+from lightning_fsdp.averaging import ShardedAverage
 from lightning_fsdp.checkpoint import CheckpointError, consolidate_checkpoint, load_pretrained, verify_checkpoint
 from lightning_fsdp.fabric import FSDP2FabricPrecision, FSDPCustomFabricStrategy
-from lightning_fsdp.memory import MemoryReport, StateBytes, local_state_bytes
+from lightning_fsdp.memory import StateBytes, local_state_bytes
 from lightning_fsdp.parallel import MeshShape, resolve_mesh_shape
-from lightning_fsdp.precision import FSDP2Precision
 from lightning_fsdp.registry import (
     StrategySpec,
     discover_strategies,
@@ -18,9 +17,10 @@ from lightning_fsdp.registry import (
     register_fabric_strategies,
     register_strategies,
 )
-from lightning_fsdp.resilience import PREEMPTED_EXIT_CODE, SafeOnExceptionCheckpoint, preemption_requested
+from lightning_fsdp.resilience import PREEMPTED_EXIT_CODE, preemption_requested
 from lightning_fsdp.sharding import find_repeated_block_classes, select_units
 from lightning_fsdp.strategy import FSDPCustomStrategy
+from lightning_fsdp.trainer import FSDP2Precision, MemoryReport, SafeOnExceptionCheckpoint, ShardedEMA
 
 __all__ = [
     "__version__",
@@ -33,6 +33,7 @@ __all__ = [
     "MemoryReport",
     "MeshShape",
     "SafeOnExceptionCheckpoint",
+    "ShardedAverage",
     "ShardedEMA",
     "StateBytes",
     "StrategySpec",

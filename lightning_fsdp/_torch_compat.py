@@ -1,9 +1,9 @@
-"""Every private torch and Lightning internal the package relies on, in one module, checked against the versions
-it was written for.
+"""Every private torch internal the package relies on (and transformers' one), in one module, checked against the
+versions it was written for. Lightning's internals live beside it, in ``_lightning_compat.py``.
 
-Outside this module the package uses public names only (a test greps for it). Each internal is one of:
+Outside these two modules the package uses public names only (a test greps for it). Each internal is one of:
 
-- a **fast path**: an optimisation. If a torch or Lightning upgrade moves it, behaviour stays correct but something
+- a **fast path**: an optimisation. If a torch upgrade moves it, behaviour stays correct but something
   is lost; :func:`warn_lost` says so once, loudly, naming what is lost and the tested versions. :func:`fast_paths`
   reports which fast paths work on the installed versions (a test asserts all of them on the pinned torch).
 - a **requirement**: a feature cannot work without it; using the feature raises an ``ImportError`` that names the
@@ -16,47 +16,20 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
 import torch
-from lightning.fabric.strategies.launchers.subprocess_script import (
-    _set_num_threads_if_needed as set_num_threads_if_needed,
-)
-from lightning.fabric.strategies.launchers.subprocess_script import (
-    _SubprocessScriptLauncher as FabricSubprocessScriptLauncher,
-)
-from lightning.fabric.strategies.strategy import _BackwardSyncControl as FabricBackwardSyncControl
-from lightning.fabric.utilities.distributed import _distributed_is_initialized as distributed_is_initialized
-from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
-from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
-from lightning.fabric.utilities.types import _PATH as PATH
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies.launchers.subprocess_script import (
-    _SubprocessScriptLauncher as SubprocessScriptLauncher,
-)
-from lightning.pytorch.strategies.strategy import _ForwardRedirection as ForwardRedirection
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
     from torch import nn
     from torch.distributed import Store
     from torch.distributed.device_mesh import DeviceMesh
 
-#: the versions every internal below was checked against
+#: the version every internal below was checked against
 TESTED_TORCH = "2.13"
-TESTED_LIGHTNING = "2.6"
 
 __all__ = [
-    "PATH",
     "FastPathLost",
-    "ForwardRedirection",
-    "RootForwardRedirection",
-    "SubprocessScriptLauncher",
-    "FabricBackwardSyncControl",
-    "FabricSubprocessScriptLauncher",
-    "attached_trainer",
-    "batches_processed",
     "compile_errors",
     "compiled_graph_count",
     "composable_checkpoint",
@@ -64,7 +37,6 @@ __all__ = [
     "dcp_set_element",
     "dcp_unpickle_allowlist",
     "default_store",
-    "distributed_is_initialized",
     "distributed_rng_supported",
     "fast_paths",
     "foreach_copy_",
@@ -72,23 +44,15 @@ __all__ = [
     "foreach_mul_",
     "hf_init_weights",
     "hf_storage_info",
-    "give_module_device_mesh",
-    "init_dist_connection",
     "load_in_place",
     "keep_root_gathered",
-    "optimizers_to_device",
-    "reset_optimizers",
-    "set_num_threads_if_needed",
-    "start_local_ranks",
-    "sync_ddp_if_available",
-    "unwrap_optimizer",
     "use_file_system",
     "warn_lost",
 ]
 
 
 class FastPathLost(RuntimeWarning):
-    """An internal this package optimises with is not where the tested torch/Lightning had it."""
+    """An internal this package optimises with is not where the tested torch had it."""
 
 
 _WARNED: set[str] = set()
@@ -99,11 +63,9 @@ def warn_lost(name: str, what_is_lost: str, detail: str = "") -> None:
     if name in _WARNED:
         return
     _WARNED.add(name)
-    import lightning
-
     warnings.warn(
-        f"lightning_fsdp: the fast path {name!r} is unavailable with torch {torch.__version__} / lightning"
-        f" {lightning.__version__} (written for torch {TESTED_TORCH}, lightning {TESTED_LIGHTNING}): {what_is_lost}."
+        f"lightning_fsdp: the fast path {name!r} is unavailable with torch {torch.__version__} (written for torch"
+        f" {TESTED_TORCH}): {what_is_lost}."
         f" Training stays correct.{' ' + detail if detail else ''} Please report it with these versions.",
         FastPathLost,
         stacklevel=3,
@@ -149,17 +111,6 @@ def keep_root_gathered(root: nn.Module) -> bool:
         warn_lost("root_gather", _ROOT_GATHER_LOST, f"({type(err).__name__}: {err})")
         return False
     return True
-
-
-class RootForwardRedirection(ForwardRedirection):
-    """Lightning's step redirection through the root's ``__call__``, without the second all-gather of the root's
-    parameters that a ``self(x)`` inside the step would otherwise cost (see :func:`keep_root_gathered`)."""
-
-    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: pl.LightningModule) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        if isinstance(wrapper_module, FSDPModule):
-            keep_root_gathered(wrapper_module)
 
 
 def _probe_root_gather() -> bool:
@@ -347,40 +298,7 @@ def compiled_graph_count() -> int:
 # -- Hugging Face -----------------------------------------------------------------------------------------------------
 def hf_init_weights(owner: nn.Module, module: nn.Module) -> None:
     """``PreTrainedModel._init_weights(module)``: how transformers initialises one module of ``owner``."""
-    owner._init_weights(module)
-
-
-# -- Lightning ------------------------------------------------------------------------------------------------------------
-def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or ``optimizer`` itself)."""
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def start_local_ranks(launcher: SubprocessScriptLauncher) -> list[Any]:
-    """Start the other local ranks, as Lightning's script launcher does at the top of its ``launch``."""
-    launcher._call_children_scripts()
-    return launcher.procs
-
-
-def attached_trainer(module: Optional[pl.LightningModule]) -> Optional[pl.Trainer]:
-    """The Trainer ``module`` is attached to, or ``None`` (Lightning's public ``trainer`` property raises then)."""
-    return getattr(module, "_trainer", None) if module is not None else None
-
-
-def give_module_device_mesh(module: Optional[pl.LightningModule], mesh: DeviceMesh) -> None:
-    """Make ``module.device_mesh`` return ``mesh`` (for ``configure_model``), as Lightning's strategies do."""
-    if module is not None:
-        module._device_mesh = mesh
-
-
-def reset_optimizers(strategy: Any) -> None:
-    """Forget the optimizers and schedulers of a previous stage (Lightning's strategy keeps them)."""
-    strategy._reset_optimizers_and_schedulers()
-
-
-def batches_processed(trainer: pl.Trainer) -> int:
-    """Training batches of the current epoch already processed (Lightning's fit-loop progress counter)."""
-    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+    cast(Any, owner)._init_weights(module)  # nn.Module's attribute typing knows tensors and modules only
 
 
 # -- what works on this installation ------------------------------------------------------------------------------------
@@ -396,5 +314,5 @@ _PROBES: dict[str, Callable[[], bool]] = {
 
 @functools.lru_cache(maxsize=1)
 def fast_paths() -> dict[str, bool]:
-    """Each fast path by name → whether the installed torch/Lightning provides it as this module expects."""
+    """Each fast path by name → whether the installed torch provides it as this module expects."""
     return {name: bool(probe()) for name, probe in _PROBES.items()}

@@ -25,23 +25,25 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fsdp import _torch_compat as compat
-from lightning_fsdp.averaging import refuse_unsharded_averaging
+from lightning_fsdp import _lightning_compat as compat
 from lightning_fsdp.checkpoint.base_weights import BaseReference
 from lightning_fsdp.checkpoint.checkpointer import check_state_dict_type
 from lightning_fsdp.hf import resolve_base
 from lightning_fsdp.hf.info import annotate_checkpoint
 from lightning_fsdp.memory import StateBytes, local_state_bytes
-from lightning_fsdp.mesh_strategy import MeshStrategy
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.parallel.grad_norm import StepGradNorm
-from lightning_fsdp.precision import FSDP2Precision, MixedPrecisionArg
+from lightning_fsdp.precision import MixedPrecisionArg
 from lightning_fsdp.preparation import Preparation, prepare_model
 from lightning_fsdp.resilience import Resilience, collective
 from lightning_fsdp.sharding import ShardingPlan, WrapPolicy, parameters_on_meta
 from lightning_fsdp.sharding.compile import CompileArg
 from lightning_fsdp.sharding.quantize import QuantizedBase
+from lightning_fsdp.trainer import resilience as trainer_resilience
+from lightning_fsdp.trainer.averaging import refuse_unsharded_averaging
+from lightning_fsdp.trainer.mesh_strategy import MeshStrategy
+from lightning_fsdp.trainer.precision import FSDP2Precision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -157,9 +159,10 @@ class FSDPCustomStrategy(MeshStrategy):
 
     # -- precision -------------------------------------------------------------------------------------------------
     @property
-    def precision_plugin(self) -> FSDP2Precision:  # type: ignore[override]
+    def precision_plugin(self) -> FSDP2Precision:
         if self._precision_plugin is None:
             self.precision_plugin = FSDP2Precision("32-true", mixed_precision=self.mixed_precision)
+        assert isinstance(self._precision_plugin, FSDP2Precision)  # the setter adopts every plugin
         return self._precision_plugin
 
     @precision_plugin.setter
@@ -197,7 +200,7 @@ class FSDPCustomStrategy(MeshStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
             compat.optimizers_to_device(self.optimizers, self.root_device)
-        self.resilience.attach(trainer)
+        trainer_resilience.attach(self.resilience, trainer)
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
@@ -215,6 +218,7 @@ class FSDPCustomStrategy(MeshStrategy):
             quantize_base=self.quantize_base,
         )
         device = torch.device("cpu") if self.cpu_offload else self.root_device
+        assert self.lightning_module is not None
         strict = self.lightning_module.strict_loading
         preparation = Preparation(plan, device, self.pretrained_weights, strict, self.pretrained_key_map)
         prepared = prepare_model(model, self.device_mesh, preparation)
@@ -242,6 +246,7 @@ class FSDPCustomStrategy(MeshStrategy):
     def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``LightningModule.<method>`` through the root's ``__call__`` so FSDP2's root hooks fire: the root's
         pre-forward hook gathers its own parameters and casts inputs; Lightning would otherwise bypass it."""
+        assert self.model is not None and self.lightning_module is not None
         return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
     @override
@@ -282,7 +287,7 @@ class FSDPCustomStrategy(MeshStrategy):
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
         trainer = compat.attached_trainer(self.lightning_module)
-        return self.resilience.process_dataloader(dataloader, trainer, self.root_device)
+        return trainer_resilience.agreed_dataloader(self.resilience, dataloader, trainer, self.root_device)
 
     @override
     @collective("backward (FSDP gradient reduce-scatter)", gate=False)
@@ -294,7 +299,9 @@ class FSDPCustomStrategy(MeshStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         trainer = compat.attached_trainer(self.lightning_module)
         has_scaler = self.precision_plugin.scaler is not None
-        closure = self.resilience.wrap_closure(closure, compat.unwrap_optimizer(optimizer), trainer, has_scaler)
+        closure = trainer_resilience.guarded_closure(
+            self.resilience, closure, compat.unwrap_optimizer(optimizer), trainer, self.root_device, has_scaler
+        )
         with self._grad_norm.step():
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
@@ -364,14 +371,14 @@ class FSDPCustomStrategy(MeshStrategy):
     def _model_entries(self) -> tuple[str, ...]:
         """The checkpoint entries keyed like the model that a callback takes (``ShardedEMA``'s average)."""
         trainer = compat.attached_trainer(self.lightning_module)
-        callbacks = trainer.callbacks if trainer is not None else []
+        callbacks = compat.trainer_callbacks(trainer) if trainer is not None else []
         return tuple(dict.fromkeys(e for cb in callbacks if (e := getattr(cb, "checkpoint_entry", None))))
 
     @override
     def setup_environment(self) -> None:
         trainer = compat.attached_trainer(self.lightning_module)
         if trainer is not None:
-            refuse_unsharded_averaging(trainer.callbacks)  # before any process group: every rank fails alike
+            refuse_unsharded_averaging(compat.trainer_callbacks(trainer))  # before any process group: all ranks fail alike
         super().setup_environment()
 
     @override

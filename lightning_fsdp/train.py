@@ -145,7 +145,7 @@ def summarize(trainer: Any, sample: Optional[str]) -> dict[str, Any]:
     if hasattr(strategy, "wrapped_units"):
         summary["wrapped_units"] = list(strategy.wrapped_units)
         summary["mesh_shape"] = list(strategy.mesh_shape.sizes)
-    from lightning_fsdp.memory import MemoryReport
+    from lightning_fsdp.trainer.memory import MemoryReport
 
     for callback in trainer.callbacks:
         if isinstance(callback, MemoryReport) and callback.rows:
@@ -231,6 +231,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
         cfg.hydra.job.num = 0
     HydraConfig.instance().set_config(cfg)
     job = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    assert isinstance(job, DictConfig)  # created from a DictConfig's container
     with open_dict(job):
         del job["hydra"]
     return job

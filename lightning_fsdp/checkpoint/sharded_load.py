@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -61,6 +61,7 @@ from lightning_fsdp.parallel.collectives import (
 def agreed_manifest(path: Path) -> Manifest:
     """Rank 0 reads the manifest (the directory's entries checked first); every rank gets it, or the same error."""
     text = broadcast_object(agreed(on_rank_zero(lambda: read_manifest(path).to_json()), f"Loading checkpoint {path}"))
+    assert isinstance(text, str)  # rank 0 read it, or every rank raised
     return Manifest.from_json(text, path / MANIFEST_NAME)
 
 
@@ -190,9 +191,9 @@ def model_like_targets(
     """Fresh tensors, sharded like the model's, for the saved ``wanted`` entries keyed like the model (keys the
     model lacks get none: :func:`check_compatible` names them)."""
     return {
-        p: torch.empty_like(model_sd[p[1]])
+        p: torch.empty_like(model_sd[str(p[1])])
         for p in saved_paths.values()
-        if p[0] in MODEL_LIKE_KEYS and p[0] in wanted and len(p) == 2 and isinstance(model_sd.get(p[1]), torch.Tensor)
+        if p[0] in MODEL_LIKE_KEYS and p[0] in wanted and len(p) == 2 and isinstance(model_sd.get(str(p[1])), torch.Tensor)
     }
 
 
@@ -217,12 +218,12 @@ def check_compatible(
                 f"{path}: .metadata has no tensor {key!r} listed in meta.pt; the checkpoint is inconsistent."
             )
         saved_info[p] = (md.properties.dtype, tuple(md.size))
-    model_saved = {p[1]: v for p, v in saved_info.items() if p[0] == "state_dict" and len(p) == 2}
-    model_current = describe({p[1]: t for p, t in targets.items() if p[0] == "state_dict"})
+    model_saved = {str(p[1]): v for p, v in saved_info.items() if p[0] == "state_dict" and len(p) == 2}
+    model_current = describe({str(p[1]): t for p, t in targets.items() if p[0] == "state_dict"})
     model_saved.update({k: model_current[k] for k in referenced if k in model_current})
     check_fits(path, model_saved, model_current, strict=strict, what="model")
     for key in model_entries:  # read into tensors shaped like the model's
-        saved = {p[1]: v for p, v in saved_info.items() if p[0] == key and len(p) == 2}
+        saved = {str(p[1]): v for p, v in saved_info.items() if p[0] == key and len(p) == 2}
         check_entry_fits(path, saved, model_current, what=key)
     saved_states = meta.get("optimizer_states")
     if not optimizers or saved_states is None:

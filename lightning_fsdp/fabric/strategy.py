@@ -11,14 +11,14 @@ Fabric checkpoints as they read the Trainer's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Union
-
+import atexit
 import signal
 import sys
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fsdp import _torch_compat as compat
+from lightning_fsdp import _lightning_compat as compat
 from lightning_fsdp.checkpoint.base_weights import BaseReference
 from lightning_fsdp.checkpoint.checkpointer import Checkpointer
 from lightning_fsdp.fabric.checkpoint import FabricState, restore_entries, to_checkpoint
@@ -47,10 +47,15 @@ from lightning_fsdp.parallel.grad_norm import clip_grad_norm_
 from lightning_fsdp.parallel.placement import MeshPlacement
 from lightning_fsdp.precision import MixedPrecisionArg
 from lightning_fsdp.preparation import Preparation, prepare_model
-from lightning_fsdp.resilience.preemption import Preemption
+from lightning_fsdp.resilience import RelayedLaunch, Resilience, collective
+from lightning_fsdp.resilience.report import on_uncaught
 from lightning_fsdp.sharding import ShardingPlan, WrapPolicy, parameters_on_meta
 from lightning_fsdp.sharding.compile import CompileArg
 from lightning_fsdp.sharding.quantize import QuantizedBase
+
+
+class _RelayedFabricLauncher(RelayedLaunch, compat.FabricSubprocessScriptLauncher):
+    """Fabric's script launcher, with the failure relay watching the ranks it starts (see :class:`RelayedLaunch`)."""
 
 
 class _NoGradientSync(compat.FabricBackwardSyncControl):
@@ -134,10 +139,11 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
         self._mesh_shape: Optional[mesh_utils.MeshShape] = None
         self._device_mesh: Any = None
         self._backward_sync_control = _NoGradientSync()
-        self._preemption = Preemption()
+        #: failures between ranks, as under the Trainer: the relay, preemption signals, named collective timeouts
+        self.resilience = Resilience(self._timeout, skip_nonfinite_steps=False, max_nonfinite_steps=1)
 
     # -- precision ---------------------------------------------------------------------------------------------------
-    @property  # type: ignore[override]
+    @property
     def precision(self) -> FSDP2FabricPrecision:
         if self._precision is None:
             self._precision = FSDP2FabricPrecision("32-true", mixed_precision=self.mixed_precision)
@@ -153,8 +159,8 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = compat.FabricSubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
+            self._launcher = _RelayedFabricLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes, self.resilience.relay
             )
 
     @override
@@ -165,20 +171,24 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
         self.set_world_ranks()
         backend = self._process_group_backend or process_group.default_backend(self.root_device)
         self._process_group_backend = backend
-        compat.init_dist_connection(self.cluster_environment, backend, timeout=self._timeout,
+        compat.init_dist_connection(self.cluster_environment, backend, timeout=self.resilience.rendezvous_timeout,
                                     device_id=self.root_device if self.root_device.type == "cuda" else None)
-        # gloo's worker threads must be released while the interpreter is alive; not after an uncaught error
-        # (peers may still block in the group), when Fabric's launcher or torchrun ends the other ranks
-        process_group.destroy_process_group_at_exit(keep_if=lambda: hasattr(sys, "last_value"))
+        # gloo's worker threads must be released while the interpreter is alive; not while a failure is handled
+        # (peers may still block in the group): the relay ends them
+        process_group.destroy_process_group_at_exit(
+            keep_if=lambda: self.resilience.failing or hasattr(sys, "last_value")
+        )
         self._device_mesh = mesh_utils.build_device_mesh(self.mesh_shape, self.root_device.type)
-        process_group.apply_timeout(dist.group.WORLD, self._device_mesh, self._timeout)  # HSDP's sub-groups too
+        self.resilience.start(self._device_mesh)  # the collective timeout on every group, the relay watching
+        on_uncaught(self.resilience.relay.on_exception)  # a Fabric loop's exception ends every rank promptly
+        atexit.register(self.resilience.teardown)  # runs before the group is destroyed (registered later)
         self.precision.policy.device_type = self.root_device.type
-        self._preemption.install([s for s in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)) if s is not None])
+        self.resilience.preemption.install([s for s in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)) if s])
 
     def stop_requested(self) -> bool:
         """Whether any rank received SIGTERM/SIGUSR1 (a scheduler's preemption notice); every rank gets the same
         answer (one tiny all-reduce). Poll it between steps: ``if fabric.strategy.stop_requested(): fabric.save(...)``."""
-        return self._preemption.agree(self.root_device) != 0
+        return self.resilience.preemption.agree(self.root_device) != 0
 
     # -- model -------------------------------------------------------------------------------------------------------
     @override
@@ -244,12 +254,14 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
 
     # -- collectives -------------------------------------------------------------------------------------------------
     @override
+    @collective("all_reduce", gate=False)
     def all_reduce(self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Tensor:
         if isinstance(tensor, Tensor):
             return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
+    @collective("barrier")
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not compat.distributed_is_initialized():
             return
@@ -259,6 +271,7 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
             dist.barrier()
 
     @override
+    @collective("broadcast(src={src})")
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not compat.distributed_is_initialized():
             return obj
@@ -326,7 +339,7 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
     @override
     def teardown(self) -> None:
         self.checkpointer.finalize()
-        self._preemption.uninstall()
+        self.resilience.teardown()
         super().teardown()
 
     @classmethod
@@ -337,7 +350,7 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
         register_fabric_strategies(strategy_registry)
 
 
-def _repoint(optimizer: Optimizer, names: dict[int, str], current: dict[str, Tensor]) -> None:
+def _repoint(optimizer: Optimizer, names: Mapping[int, str], current: Mapping[str, Tensor]) -> None:
     """Replace each parameter an optimizer holds by the sharded parameter of the same name."""
     if optimizer.state:
         raise RuntimeError(

@@ -1,6 +1,6 @@
 """Where a strategy's ranks sit: devices, the replicate × shard mesh, and how the data is split over it.
 
-The same for the Trainer's and Fabric's front ends (:class:`~lightning_fsdp.mesh_strategy.MeshStrategy`,
+The same for the Trainer's and Fabric's front ends (:class:`~lightning_fsdp.trainer.mesh_strategy.MeshStrategy`,
 :class:`~lightning_fsdp.fabric.FSDPCustomFabricStrategy`), which list this mixin first among their bases. It reads
 the attributes both of Lightning's ``ParallelStrategy`` classes have (``parallel_devices``, ``local_rank``,
 ``global_rank``) and the front end's ``num_nodes``, ``replicate_size``, ``shard_size``.
@@ -56,7 +56,7 @@ class MeshPlacement:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        setattr(rank_zero_only, "rank", self.global_rank)  # an attribute Lightning gives the function at import
         if self.parallel_devices:
             self._mesh_shape = None
             _ = self.mesh_shape

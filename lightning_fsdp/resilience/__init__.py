@@ -6,17 +6,20 @@ here makes the ranks *agree* first:
 
 ==========================  ==========================================================================================
 :mod:`.relay`               a rank's exception reaches every rank through the rendezvous store within seconds
-:mod:`.launcher`            Lightning's launcher, telling the relay first; :mod:`.children` reaps spawned ranks
+:mod:`.launcher`            the launch both front ends' launchers run: the relay hears of an exception first;
+                            :mod:`.children` reaps spawned ranks
 :mod:`.parent`              a spawned rank watches the rank that spawned it, and names it if it dies
 :mod:`.preemption`          SIGTERM/SIGUSR1 → agreed save of ``last`` → exit :data:`PREEMPTED_EXIT_CODE` (requeue)
 :mod:`.nonfinite`           a NaN/inf loss or gradient norm on any rank skips the step on every rank
 :mod:`.batches`             ranks with different numbers of batches all fail together; mid-epoch resume
 :mod:`.timeouts`            a timed-out collective names the operation, the rank and the timeout
-:mod:`.callback`            the step-boundary callback; :class:`SafeOnExceptionCheckpoint`
 ==========================  ==========================================================================================
 
-:class:`Resilience` is the facade the strategy holds; :func:`collective` is the one mechanism that guards a
-strategy hook: the failure gate before it and named timeouts around it.
+:class:`Resilience` is the object both front ends hold. It knows no Trainer: progress, the step number and the
+device come in as plain values and callables. The Trainer's adapter (its callback, launcher and the on-exception
+save) is :mod:`lightning_fsdp.trainer.resilience`; Fabric's is in :mod:`lightning_fsdp.fabric.strategy`.
+:func:`collective` is the one mechanism that guards a strategy hook: the failure gate before it and named timeouts
+around it.
 """
 
 from __future__ import annotations
@@ -31,12 +34,10 @@ from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp._torch_compat import batches_processed
 from lightning_fsdp.parallel.collectives import is_distributed
 from lightning_fsdp.parallel.grad_norm import StepGradNorm
 from lightning_fsdp.parallel.process_group import apply_timeout
 from lightning_fsdp.resilience.batches import AgreedLoader, check_equal_batches, uneven_batches_message
-from lightning_fsdp.resilience.callback import ResilienceCallback, SafeOnExceptionCheckpoint, last_checkpoint_path
 from lightning_fsdp.resilience.errors import (
     PEER_FAILED_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
@@ -47,15 +48,13 @@ from lightning_fsdp.resilience.errors import (
     Preempted,
     UnevenBatchesError,
 )
-from lightning_fsdp.resilience.launcher import ResilientLauncher
+from lightning_fsdp.resilience.launcher import RelayedLaunch
 from lightning_fsdp.resilience.nonfinite import NonFiniteGuard
 from lightning_fsdp.resilience.preemption import Preemption, preemption_requested
 from lightning_fsdp.resilience.relay import FailureRelay
 from lightning_fsdp.resilience.timeouts import is_timeout_error, naming_timeouts, timeout_message
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
-    from lightning.fabric.plugins import ClusterEnvironment
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
@@ -67,24 +66,23 @@ __all__ = [
     "NonFiniteStepsError",
     "PartialFailureError",
     "Preempted",
+    "RelayedLaunch",
     "Resilience",
-    "SafeOnExceptionCheckpoint",
     "UnevenBatchesError",
     "check_equal_batches",
     "collective",
     "is_timeout_error",
-    "last_checkpoint_path",
     "preemption_requested",
     "timeout_message",
     "uneven_batches_message",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
-_STAGE_NAMES = {"train": "training", "val": "validation", "test": "test", "predict": "predict"}
 
 
 class Resilience:
-    """Everything :class:`~lightning_fsdp.strategy.FSDPCustomStrategy` delegates about failures, in one object."""
+    """Everything a front end delegates about failures, in one object: the failure relay, preemption signals,
+    non-finite steps, uneven batches and named collective timeouts."""
 
     def __init__(
         self,
@@ -104,11 +102,6 @@ class Resilience:
         """This rank is handling its own exception (collectives and group teardown could wait on peers)."""
         return self.relay.handling is not None
 
-    def make_launcher(
-        self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int
-    ) -> ResilientLauncher:
-        return ResilientLauncher(cluster_environment, num_processes, num_nodes, self.relay)
-
     @property
     def rendezvous_timeout(self) -> timedelta:
         """How long ranks may take to *join* the process group: at least PyTorch's 30-minute default, so that a
@@ -122,24 +115,18 @@ class Resilience:
         apply_timeout(dist.group.WORLD, mesh, self.timeout)
         self.relay.start(dist.get_rank(), dist.get_world_size())
 
-    def attach(self, trainer: pl.Trainer) -> None:
-        """Add the callback that runs the step-boundary agreements (once per Trainer)."""
-        if not any(isinstance(cb, ResilienceCallback) for cb in trainer.callbacks):
-            trainer.callbacks.append(ResilienceCallback(self))
-
     def teardown(self) -> None:
         self.preemption.uninstall()
         self.relay.finish()
 
-    def process_dataloader(self, dataloader: Any, trainer: Optional[pl.Trainer], device: torch.device) -> Any:
-        if isinstance(dataloader, AgreedLoader) or trainer is None:
+    def process_dataloader(
+        self, dataloader: Any, progress: Callable[[], tuple[int, Any]], device: torch.device, stage: str = "training"
+    ) -> Any:
+        """``dataloader`` whose ranks agree on its length before the first batch (see :class:`AgreedLoader`);
+        ``progress()`` → (batches of this epoch already processed, the number expected)."""
+        if isinstance(dataloader, AgreedLoader):
             return dataloader
-
-        def progress() -> tuple[int, Any]:
-            return batches_processed(trainer), trainer.num_training_batches
-
-        prefix = getattr(trainer.state.stage, "dataloader_prefix", None) or ""
-        return AgreedLoader(dataloader, progress, device, stage=_STAGE_NAMES.get(prefix, "training"))
+        return AgreedLoader(dataloader, progress, device, stage=stage)
 
     @contextmanager
     def around_collective(self, operation: Callable[[], str], gate: bool = True) -> Iterator[None]:
@@ -150,13 +137,18 @@ class Resilience:
             yield
 
     def wrap_closure(
-        self, closure: Callable[[], Any], optimizer: Any, trainer: Optional[pl.Trainer], has_scaler: bool
+        self,
+        closure: Callable[[], Any],
+        optimizer: torch.optim.Optimizer,
+        step: Callable[[], int],
+        device: torch.device,
+        has_scaler: bool,
     ) -> Callable[[], Any]:
         """With a loss scaler (16-mixed), inf gradients are expected and the scaler skips those steps itself: only
         the loss is checked then."""
         if self.nonfinite is None:
             return closure
-        return self.nonfinite.wrap(closure, optimizer, trainer, check_grads=not has_scaler)
+        return self.nonfinite.wrap(closure, optimizer, step, device, check_grads=not has_scaler)
 
 
 def collective(operation: Union[str, Callable[..., str]], *, gate: bool = True) -> Callable[[F], F]:

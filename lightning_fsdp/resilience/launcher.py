@@ -1,33 +1,35 @@
-"""Lightning's script launcher, plus: a rank's exception reaches every rank before any hook runs, rank 0 reaps
-the ranks it spawned, and they watch it (each side names the other if it dies without a traceback). Used under
-torchrun/SLURM too (then it spawns nothing and nobody's parent is a rank)."""
+"""The launch both front ends' script launchers run (Lightning's, plus): a rank's exception reaches every rank
+before any hook runs, rank 0 reaps the ranks it spawned, and they watch it (each side names the other if it dies
+without a traceback). Used under torchrun/SLURM too (then it spawns nothing and nobody's parent is a rank)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable
 
-from typing_extensions import override
-
-from lightning_fsdp._torch_compat import SubprocessScriptLauncher, set_num_threads_if_needed, start_local_ranks
+from lightning_fsdp._lightning_compat import set_num_threads_if_needed, start_local_ranks
 from lightning_fsdp.resilience.parent import launching
 from lightning_fsdp.resilience.relay import FailureRelay
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
     from lightning.fabric.plugins import ClusterEnvironment
 
 
-class ResilientLauncher(SubprocessScriptLauncher):
-    """See the module docstring; ``relay`` is told about the exception first, then it propagates as usual."""
+class RelayedLaunch:
+    """Mixed in before a Lightning script launcher (the Trainer's or Fabric's, which share their constructor and
+    child start-up): ``relay`` is told about an exception first, then it propagates as usual."""
+
+    cluster_environment: ClusterEnvironment
+    num_processes: int
+    num_nodes: int
 
     def __init__(
         self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int, relay: FailureRelay
     ) -> None:
-        super().__init__(cluster_environment, num_processes, num_nodes)
+        super().__init__(cluster_environment, num_processes, num_nodes)  # type: ignore[call-arg]  # the launcher's
         self._relay = relay
 
-    @override
-    def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        """Lightning's launch (``trainer`` is the Trainer's keyword; Fabric passes none), with the relay."""
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         env = self.cluster_environment
         rank = env.node_rank() * self.num_processes + env.local_rank()

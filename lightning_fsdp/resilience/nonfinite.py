@@ -3,7 +3,7 @@ every rank together (and too many in a row stop training with an error that says
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -12,9 +12,6 @@ from lightning_fsdp.parallel.collectives import is_distributed, rank
 from lightning_fsdp.parallel.grad_norm import StepGradNorm
 from lightning_fsdp.resilience.errors import NonFiniteStepsError
 from lightning_fsdp.resilience.report import say
-
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
 
 def nonfinite_message(consecutive: int, limit: int, step: int, detail: str) -> str:
@@ -42,9 +39,15 @@ class NonFiniteGuard:
         self.consecutive = 0
 
     def wrap(
-        self, closure: Callable[[], Any], optimizer: torch.optim.Optimizer, trainer: Optional[pl.Trainer], check_grads: bool
+        self,
+        closure: Callable[[], Any],
+        optimizer: torch.optim.Optimizer,
+        step: Callable[[], int],
+        device: torch.device,
+        check_grads: bool,
     ) -> Callable[[], Any]:
-        """The closure Lightning passes to ``optimizer.step``: forward+backward, then the agreed check.
+        """The closure a front end passes to ``optimizer.step``: forward+backward, then the agreed check (``step``
+        names the optimizer step in messages; ``device`` is the communication device).
 
         Grads are set to ``None`` on a skip: torch optimizers then leave those parameters (and their state, e.g.
         Adam's step count and moments) untouched, unlike zero gradients, which still decay and move momentum.
@@ -52,15 +55,16 @@ class NonFiniteGuard:
 
         def guarded() -> Any:
             loss = closure()
-            self.check(loss, optimizer, trainer, check_grads)
+            self.check(loss, optimizer, step(), device, check_grads)
             return loss
 
         return guarded
 
-    def check(self, loss: Any, optimizer: torch.optim.Optimizer, trainer: Optional[pl.Trainer], check_grads: bool) -> bool:
-        """Returns True if the step was skipped. Collective: every rank calls it at the same step."""
-        # the communication device (params may be CPU-offloaded while the backend is nccl)
-        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+    def check(
+        self, loss: Any, optimizer: torch.optim.Optimizer, step: int, device: torch.device, check_grads: bool
+    ) -> bool:
+        """Returns True if the step was skipped. Collective: every rank calls it at the same step. ``device``: the
+        communication device (parameters may be CPU-offloaded while the backend is nccl)."""
         loss_bad = (
             ~torch.isfinite(loss.detach()).all() if isinstance(loss, torch.Tensor) else torch.tensor(False)
         ).to(device=device, dtype=torch.float32)
@@ -80,7 +84,6 @@ class NonFiniteGuard:
         self.grad_norm.invalidate()
         self.skipped += 1
         self.consecutive += 1
-        step = trainer.global_step if trainer is not None else -1
         parts = (("loss is NaN/inf on at least one rank", loss_agreed_bad), (f"grad norm = {float(norm)}", norm_agreed_bad))
         detail = ", ".join(part for part, bad in parts if bad)
         if rank() == 0:

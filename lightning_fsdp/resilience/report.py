@@ -11,12 +11,13 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from lightning_fsdp.parallel.collectives import launch_rank
 
 _NOTE_ATTR = "_lightning_fsdp_note"
 _previous_excepthook = sys.excepthook
+_uncaught: list[Callable[[BaseException], None]] = []
 
 
 def say(message: str, rank: Optional[int] = None) -> None:
@@ -90,7 +91,20 @@ def mark(exc: BaseException, note: str) -> None:
     _install_excepthook()
 
 
+def on_uncaught(callback: Callable[[BaseException], None]) -> None:
+    """Run ``callback(exc)`` first when an uncaught exception ends the interpreter: a Fabric script's loop runs after
+    its launcher returned, outside any ``try`` of ours, so the failure relay hears of the exception here."""
+    if callback not in _uncaught:
+        _uncaught.append(callback)
+    _install_excepthook()
+
+
 def _excepthook(exc_type: type, exc: BaseException, tb: Any) -> None:
+    for callback in list(_uncaught):
+        try:
+            callback(exc)
+        except Exception:  # noqa: BLE001 - the exception itself must still be shown
+            pass
     note = getattr(exc, _NOTE_ATTR, None)
     if note:
         say(note)

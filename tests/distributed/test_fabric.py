@@ -177,3 +177,5 @@ def test_an_exception_on_one_rank_ends_every_rank_with_its_traceback(model_files
     assert proc.returncode != 0
     assert time.monotonic() - start < 90  # not the collective timeout (1800 s)
     assert "RuntimeError: a bug on rank 1 at step 0" in proc.stderr
+    # the failure relay, not a gloo connection error, ends rank 0, naming the rank that failed first
+    assert "[rank 0] stopping: rank 1 failed with RuntimeError: a bug on rank 1 at step 0" in proc.stderr

@@ -93,7 +93,7 @@ def _train(spec: dict) -> None:
 
     import lightning_fsdp  # noqa: F401  (registers fsdp_custom)
     from lightning_fsdp import planner
-    from lightning_fsdp.memory import MemoryReport
+    from lightning_fsdp.trainer.memory import MemoryReport
     from lightning_fsdp.models import GPTLightningModule
     from tests.helpers.models import loader
 

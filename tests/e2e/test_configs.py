@@ -17,7 +17,7 @@ from lightning_fsdp import FSDPCustomStrategy
 from lightning_fsdp.checkpoint.pretrained import read_weights
 from lightning_fsdp.cli import COMMANDS
 from lightning_fsdp.cli import main as cli_main
-from lightning_fsdp.memory import MemoryReport
+from lightning_fsdp.trainer.memory import MemoryReport
 from lightning_fsdp.models import GPTLightningModule, HFCausalLM, count_params
 from lightning_fsdp.models.hf_causal_lm import write_random_model
 from lightning_fsdp.planner.llama import llama_dims, llama_model_spec

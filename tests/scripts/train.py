@@ -70,7 +70,7 @@ class CountNormWork(Callback):
         import torch.distributed as dist
 
         from lightning_fsdp.parallel import grad_norm
-        from lightning_fsdp.precision import FSDP2Precision
+        from lightning_fsdp import FSDP2Precision
         from lightning_fsdp.resilience.nonfinite import NonFiniteGuard
 
         self.at, self.step_active, self.in_check = at, False, False

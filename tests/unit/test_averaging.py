@@ -1,4 +1,4 @@
-"""``ShardedEMA`` in one process (plain tensors): the update rule, the swap, what it tracks, and the refusal of
+"""``ShardedAverage`` and its ``ShardedEMA`` callback in one process (plain tensors): the update rule, the swap, what it tracks, and the refusal of
 Lightning's own ``WeightAveraging`` under ``fsdp_custom`` (before any process starts)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_fsdp import ShardedEMA
+from lightning_fsdp import ShardedAverage, ShardedEMA
 from tests.helpers.models import TinyLM
 
 
@@ -25,34 +25,34 @@ class Frozen(L.LightningModule):
 
 def test_update_is_the_exponential_moving_average_and_the_first_update_copies():
     module = Frozen()
-    ema = ShardedEMA(decay=0.75)
-    ema._update(module)
+    ema = ShardedAverage(decay=0.75)
+    ema.update(module)
     first = module.trained.weight.detach().clone()
     with torch.no_grad():
         module.trained.weight.add_(4.0)
-    ema._update(module)
-    average = dict(zip(ema._names, ema.average_tensors()))
+    ema.update(module)
+    average = dict(zip(ema.names, ema.average_tensors()))
     torch.testing.assert_close(average["trained.weight"], 0.75 * first + 0.25 * (first + 4.0))
     assert ema.n_averaged == 2
 
 
 def test_frozen_parameters_and_integer_buffers_are_not_copied():
     module = Frozen()
-    ema = ShardedEMA()
-    ema._update(module)
-    assert ema._names == ["trained.weight", "trained.bias", "norm.weight", "norm.bias", "norm.running_mean",
+    ema = ShardedAverage()
+    ema.update(module)
+    assert ema.names == ["trained.weight", "trained.bias", "norm.weight", "norm.bias", "norm.running_mean",
                           "norm.running_var"]
-    assert ShardedEMA(use_buffers=False)._tracked(module)[-1][0] == "norm.bias"
+    assert ShardedAverage(use_buffers=False).tracked(module)[-1][0] == "norm.bias"
 
 
 def test_swap_exchanges_weights_and_average_and_after_fit_the_model_holds_the_average():
     module = Frozen()
     ema = ShardedEMA(decay=0.5)
-    ema._update(module)
+    ema.average.update(module)
     trained = module.trained.weight.detach().clone()
     with torch.no_grad():
         module.trained.weight.mul_(3.0)
-    ema._update(module)  # average = 0.5·w + 0.5·3w = 2w
+    ema.average.update(module)  # average = 0.5·w + 0.5·3w = 2w
     ema.on_validation_epoch_start(None, module)
     torch.testing.assert_close(module.trained.weight, 2 * trained)
     ema.on_validation_epoch_end(None, module)
@@ -64,7 +64,7 @@ def test_swap_exchanges_weights_and_average_and_after_fit_the_model_holds_the_av
 def test_average_on_another_device_and_the_state_that_is_saved():
     module = Frozen()
     ema = ShardedEMA(device="cpu", decay=0.9, update_every_n_steps=2)
-    ema._update(module)
+    ema.average.update(module)
     assert {str(t.device) for t in ema.average_tensors()} == {"cpu"}
     assert ema.state_dict() == {"latest_update_step": 0, "latest_update_epoch": -1, "n_averaged": 1, "decay": 0.9}
     assert ema.should_update(step_idx=0) and not ema.should_update(step_idx=1)

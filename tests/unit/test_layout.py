@@ -1,7 +1,9 @@
 """The package's layout keeps its promises: small modules, imports that only point down, torch internals fenced.
 
 The layers (the README's layout table): a module may import from its own layer's package and from any lower layer,
-never from a higher one. Private torch/Lightning names are used in ``_torch_compat.py`` only.
+never from a higher one. Private torch names are used in ``_torch_compat.py`` only, Lightning's in
+``_lightning_compat.py`` only. ``lightning.pytorch`` is spoken by the Trainer front end (``strategy.py`` and
+``trainer/``) and the apps built on the Trainer, never below them; Fabric's strategy machinery by ``fabric/`` only.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ MAX_LINES = 400
 #: lowest first; each entry is the top-level modules/packages of one layer
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundation", {"_torch_compat", "_version", "formatting"}),
+    ("lightning internals", {"_lightning_compat"}),  # over torch's: the root-gather redirection
     ("parallel", {"parallel"}),
     ("precision", {"precision"}),
     ("sharding", {"sharding"}),
@@ -28,7 +31,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("preparation", {"preparation"}),
     ("planner", {"planner"}),
     ("registry", {"registry"}),
-    ("process hooks", {"mesh_strategy"}),
+    ("trainer pieces", {"trainer"}),  # the Trainer front end's callbacks, plugin, launcher and process hooks
     ("hooks", {"strategy", "fabric"}),  # the Trainer's and Fabric's front ends: neither imports the other
     ("app", {"cli", "train", "train_config", "models", "data", "commands", "__init__", "__main__"}),
 ]
@@ -141,16 +144,75 @@ def _external_imports(path: Path) -> set[str]:
     return names
 
 
-def test_each_front_end_imports_only_its_own_lightning_half():
-    """The Fabric front end never reaches for the Trainer's package; the Trainer's strategy hooks never for Fabric's
-    strategies (the shared plugin interfaces and utilities live in ``lightning.fabric`` and are fine)."""
-    fabric = [p for p in _modules() if _top(p) == "fabric"]
-    assert fabric, "the Fabric front end moved; update this test"
-    wrong = [f"{p.relative_to(PACKAGE)} imports {name}" for p in fabric for name in _external_imports(p)
-             if name.split(".")[:2] == ["lightning", "pytorch"]]
-    wrong += [f"strategy.py imports {name}" for name in _external_imports(PACKAGE / "strategy.py")
-              if name.startswith("lightning.fabric.strategies")]
+#: where each half of Lightning may be imported (``_lightning_compat.py`` holds the private names of both)
+TRAINER_FRONT_END = {"strategy", "trainer"}
+TRAINER_USERS = TRAINER_FRONT_END | {"registry", "cli", "train", "train_config", "models", "data", "commands", "__init__"}
+FABRIC_FRONT_END = {"fabric"}
+FABRIC_USERS = FABRIC_FRONT_END | {"registry"}
+
+
+def _speaks(name: str) -> str:
+    """Which front end's half of Lightning an imported module belongs to ("" for the shared parts: Fabric's
+    plugins, utilities and environments are the base both front ends build on)."""
+    if name.split(".")[:2] in (["lightning", "pytorch"], ["pytorch_lightning"]) or name == "lightning.pytorch":
+        return "trainer"
+    if name.startswith(("lightning.fabric.strategies", "lightning.fabric.fabric", "lightning.fabric.connector")):
+        return "fabric"
+    return ""
+
+
+def test_each_half_of_lightning_is_spoken_by_its_own_front_end_only():
+    """Below the front ends the package is Trainer- and Fabric-free; neither front end imports the other's half."""
+    allowed = {"trainer": TRAINER_USERS, "fabric": FABRIC_USERS}
+    assert {_top(p) for p in _modules()} >= TRAINER_FRONT_END | FABRIC_FRONT_END, "a front end moved; update this test"
+    wrong = []
+    for path in _modules():
+        if path.name == "_lightning_compat.py":
+            continue
+        for name in _external_imports(path):
+            half = _speaks(name)
+            if half and _top(path) not in allowed[half]:
+                wrong.append(f"{path.relative_to(PACKAGE)} imports {name} ({half} front end only)")
     assert not wrong, "\n".join(wrong)
+
+
+def _compat_names_used(path: Path) -> set[str]:
+    """Names a module takes from ``_lightning_compat``: imported from it, or read off the module object."""
+    tree = ast.parse(path.read_text(), str(path))
+    names, aliases = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "lightning_fsdp._lightning_compat":
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module == "lightning_fsdp":
+            aliases.update(a.asname or a.name for a in node.names if a.name == "_lightning_compat")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            names.add(node.attr)
+    return names
+
+
+def test_compat_names_of_each_half_are_used_by_its_front_end_only():
+    """``_lightning_compat`` re-exports private names of both halves: each is used only where its half may be."""
+    import lightning_fsdp._lightning_compat as compat
+
+    def half_of(name: str) -> str:
+        value = getattr(compat, name)
+        module = getattr(value, "__module__", "") or ""
+        if module == compat.__name__:  # defined there: by what it wraps
+            source = ast.get_source_segment(Path(compat.__file__).read_text(), _definition(compat, name)) or ""
+            return "trainer" if "pl." in source or "LightningOptimizer" in source or "ForwardRedirection" in source else ""
+        return _speaks(module)
+
+    allowed = {"trainer": TRAINER_USERS, "fabric": FABRIC_USERS}
+    wrong = [f"{path.relative_to(PACKAGE)} uses _lightning_compat.{name} ({half_of(name)} front end only)"
+             for path in _modules() if path.name != "_lightning_compat.py"
+             for name in sorted(_compat_names_used(path)) if half_of(name) and _top(path) not in allowed[half_of(name)]]
+    assert not wrong, "\n".join(wrong)
+
+
+def _definition(module: object, name: str) -> ast.AST:
+    tree = ast.parse(Path(module.__file__).read_text())  # type: ignore[attr-defined]
+    return next(n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name)
 
 
 def _private_uses(tree: ast.AST) -> list[tuple[int, str]]:
@@ -202,11 +264,17 @@ def _private_uses(tree: ast.AST) -> list[tuple[int, str]]:
 def test_private_torch_and_lightning_names_only_in_the_compat_module():
     wrong = []
     for path in _modules():
-        if path.name == "_torch_compat.py":
+        if path.name in ("_torch_compat.py", "_lightning_compat.py"):
             continue
         for line, name in _private_uses(ast.parse(path.read_text(), str(path))):
             wrong.append(f"{path.relative_to(PACKAGE)}:{line}: {name}")
-    assert not wrong, "move these into lightning_fsdp/_torch_compat.py:\n" + "\n".join(wrong)
+    assert not wrong, "move these into lightning_fsdp/_torch_compat.py or _lightning_compat.py:\n" + "\n".join(wrong)
+
+
+def test_torch_compat_knows_no_lightning():
+    """torch's internals and Lightning's are fenced separately: a Lightning upgrade never touches ``_torch_compat``."""
+    names = _external_imports(PACKAGE / "_torch_compat.py")
+    assert not [n for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning")], names
 
 
 def test_every_fast_path_is_active_on_the_pinned_torch():

@@ -14,16 +14,15 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_fsdp.memory import (
-    MemoryReport,
     RankMemory,
     StateBytes,
     format_memory_table,
     full_param_bytes,
     global_state_bytes,
     local_state_bytes,
-    shard_group_size,
     tensor_bytes,
 )
+from lightning_fsdp.trainer.memory import MemoryReport, shard_group_size
 from tests.helpers.models import TinyLM, loader
 
 

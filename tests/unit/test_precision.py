@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from lightning_fsdp.precision import FSDP2Precision, mixed_precision_policy, normalize_precision
+from lightning_fsdp.precision import mixed_precision_policy, normalize_precision
+from lightning_fsdp.trainer.precision import FSDP2Precision
 
 
 @pytest.mark.parametrize(

@@ -20,11 +20,12 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fsdp import _torch_compat as compat
+from lightning_fsdp import _lightning_compat as compat
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.parallel.placement import MeshPlacement
 from lightning_fsdp.resilience import Resilience, collective
+from lightning_fsdp.trainer.resilience import ResilientLauncher
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -65,7 +66,7 @@ class MeshStrategy(MeshPlacement, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self._launcher = self.resilience.make_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = ResilientLauncher(self.cluster_environment, self.num_processes, self.num_nodes, self.resilience.relay)
 
     @override
     def setup_environment(self) -> None:

@@ -1,17 +1,19 @@
-"""The step- and epoch-boundary agreements (a callback the strategy adds), and the on-exception save that never
-hangs."""
+"""The Trainer's adapter over :class:`~lightning_fsdp.resilience.Resilience`: the step- and epoch-boundary callback
+the strategy adds, its launcher, its dataloader and closure wiring, and the on-exception save that never hangs."""
 
 from __future__ import annotations
 
 import atexit
 import signal
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_fsdp._lightning_compat import SubprocessScriptLauncher, batches_processed, trainer_callbacks
+from lightning_fsdp.resilience import RelayedLaunch, Resilience
 from lightning_fsdp.resilience.batches import check_equal_batches
 from lightning_fsdp.resilience.errors import PREEMPTED_EXIT_CODE, PartialFailureError, Preempted
 from lightning_fsdp.resilience.preemption import requeue_at_exit
@@ -20,7 +22,40 @@ from lightning_fsdp.resilience.report import say
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_fsdp.resilience import Resilience
+_STAGE_NAMES = {"train": "training", "val": "validation", "test": "test", "predict": "predict"}
+
+
+class ResilientLauncher(RelayedLaunch, SubprocessScriptLauncher):
+    """Lightning's script launcher for the Trainer, telling the relay first (see :class:`RelayedLaunch`)."""
+
+
+def attach(resilience: Resilience, trainer: pl.Trainer) -> None:
+    """Add the callback that runs the step-boundary agreements (once per Trainer)."""
+    callbacks = trainer_callbacks(trainer)
+    if not any(isinstance(cb, ResilienceCallback) for cb in callbacks):
+        callbacks.append(ResilienceCallback(resilience))
+
+
+def agreed_dataloader(resilience: Resilience, dataloader: Any, trainer: Optional[pl.Trainer], device: torch.device) -> Any:
+    """The loader whose ranks agree on its length, resumable mid-epoch from the fit loop's progress."""
+    if trainer is None:
+        return dataloader
+
+    def progress() -> tuple[int, Any]:
+        return batches_processed(trainer), trainer.num_training_batches
+
+    prefix = getattr(trainer.state.stage, "dataloader_prefix", None) or ""
+    return resilience.process_dataloader(dataloader, progress, device, stage=_STAGE_NAMES.get(prefix, "training"))
+
+
+def guarded_closure(
+    resilience: Resilience, closure: Callable[[], Any], optimizer: torch.optim.Optimizer,
+    trainer: Optional[pl.Trainer], device: torch.device, has_scaler: bool,
+) -> Callable[[], Any]:
+    """The optimizer closure with the agreed non-finite check (messages name the Trainer's global step)."""
+    return resilience.wrap_closure(
+        closure, optimizer, lambda: trainer.global_step if trainer is not None else -1, device, has_scaler
+    )
 
 
 def last_checkpoint_path(trainer: pl.Trainer) -> Optional[str]:
@@ -53,8 +88,8 @@ class ResilienceCallback(Callback):
     def _signals(self, trainer: pl.Trainer) -> list[int]:
         from lightning.fabric.plugins.environments import SLURMEnvironment
 
-        signals = [signal.SIGTERM, signal.SIGUSR1]
-        env = trainer.strategy.cluster_environment
+        signals: list[int] = [signal.SIGTERM, signal.SIGUSR1]
+        env = getattr(trainer.strategy, "cluster_environment", None)  # a parallel strategy's
         if isinstance(env, SLURMEnvironment) and env.requeue_signal is not None:
             signals.append(int(env.requeue_signal))
         return sorted(set(int(s) for s in signals))
@@ -115,7 +150,7 @@ class ResilienceCallback(Callback):
                     cb.last_model_path = path
             trainer.save_checkpoint(path, weights_only=False)
         self.resilience.preemption.requested = 0
-        env = trainer.strategy.cluster_environment
+        env = getattr(trainer.strategy, "cluster_environment", None)
         if trainer.is_global_zero and isinstance(env, SLURMEnvironment) and env.auto_requeue:
             atexit.register(requeue_at_exit)
         message = (

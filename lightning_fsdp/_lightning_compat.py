@@ -1,0 +1,110 @@
+"""Every private Lightning internal the package relies on, in one module, checked against the Lightning it was
+written for (torch's internals live in ``_torch_compat.py``).
+
+Lightning's two halves meet here only as names: ``lightning.fabric`` internals (process-group start-up, Fabric's
+launcher and backward-sync control) and ``lightning.pytorch`` internals (the Trainer's launcher, step redirection,
+loop progress). Each front end imports the names of its own half; the layout test keeps it so.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, cast
+
+import torch
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _set_num_threads_if_needed as set_num_threads_if_needed,
+)
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as FabricSubprocessScriptLauncher,
+)
+from lightning.fabric.strategies.strategy import _BackwardSyncControl as FabricBackwardSyncControl
+from lightning.fabric.utilities.distributed import _distributed_is_initialized as distributed_is_initialized
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.fabric.utilities.types import _PATH as PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
+from lightning.pytorch.strategies.strategy import _ForwardRedirection as ForwardRedirection
+
+from lightning_fsdp._torch_compat import keep_root_gathered
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: the version every internal below was checked against
+TESTED_LIGHTNING = "2.6"
+
+__all__ = [
+    "PATH",
+    "FabricBackwardSyncControl",
+    "FabricSubprocessScriptLauncher",
+    "ForwardRedirection",
+    "RootForwardRedirection",
+    "SubprocessScriptLauncher",
+    "attached_trainer",
+    "batches_processed",
+    "distributed_is_initialized",
+    "give_module_device_mesh",
+    "init_dist_connection",
+    "optimizers_to_device",
+    "reset_optimizers",
+    "set_num_threads_if_needed",
+    "start_local_ranks",
+    "sync_ddp_if_available",
+    "trainer_callbacks",
+    "unwrap_optimizer",
+]
+
+
+class RootForwardRedirection(ForwardRedirection):
+    """Lightning's step redirection through the root's ``__call__``, without the second all-gather of the root's
+    parameters that a ``self(x)`` inside the step would otherwise cost (see ``_torch_compat.keep_root_gathered``)."""
+
+    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: pl.LightningModule) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(wrapper_module, FSDPModule):
+            keep_root_gathered(wrapper_module)
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or ``optimizer`` itself)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def start_local_ranks(launcher: Any) -> list[Any]:
+    """Start the other local ranks, as Lightning's script launchers (the Trainer's and Fabric's) do at the top of
+    their ``launch``."""
+    launcher._call_children_scripts()
+    return launcher.procs
+
+
+def attached_trainer(module: Optional[pl.LightningModule]) -> Optional[pl.Trainer]:
+    """The Trainer ``module`` is attached to, or ``None`` (Lightning's public ``trainer`` property raises then)."""
+    return getattr(module, "_trainer", None) if module is not None else None
+
+
+def give_module_device_mesh(module: Optional[pl.LightningModule], mesh: DeviceMesh) -> None:
+    """Make ``module.device_mesh`` return ``mesh`` (for ``configure_model``), as Lightning's strategies do."""
+    if module is not None:
+        module._device_mesh = mesh
+
+
+def trainer_callbacks(trainer: pl.Trainer) -> list[pl.Callback]:
+    """The Trainer's callback list (set by its callback connector, so not declared on the class)."""
+    return cast(Any, trainer).callbacks
+
+
+def reset_optimizers(strategy: Any) -> None:
+    """Forget the optimizers and schedulers of a previous stage (Lightning's strategy keeps them)."""
+    strategy._reset_optimizers_and_schedulers()
+
+
+def batches_processed(trainer: pl.Trainer) -> int:
+    """Training batches of the current epoch already processed (Lightning's fit-loop progress counter)."""
+    return int(cast(Any, trainer.fit_loop.epoch_loop.batch_progress.current).processed)  # typed as its base class

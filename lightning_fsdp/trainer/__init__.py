@@ -1,0 +1,21 @@
+"""The Trainer front end's Lightning pieces, beside its hooks (``lightning_fsdp/strategy.py``).
+
+Everything here speaks ``lightning.pytorch`` and delegates down to the front-end-free packages, as the Fabric front
+end (:mod:`lightning_fsdp.fabric`) does for Fabric:
+
+=================================  ==================================================================================
+:mod:`.mesh_strategy`              processes, ranks, the data-parallel mesh and collectives (Lightning's hooks)
+:mod:`.precision`                  ``FSDP2Precision``: the Trainer's plugin over ``precision.PrecisionPolicy``
+:mod:`.resilience`                 the Trainer's adapter over ``resilience.Resilience``: callback, launcher, the
+                                   on-exception save
+:mod:`.averaging`                  ``ShardedEMA``: a callback over ``averaging.ShardedAverage``
+:mod:`.memory`                     ``MemoryReport``: a callback over what ``memory`` measures
+=================================  ==================================================================================
+"""
+
+from lightning_fsdp.trainer.averaging import ShardedEMA
+from lightning_fsdp.trainer.memory import MemoryReport
+from lightning_fsdp.trainer.precision import FSDP2Precision
+from lightning_fsdp.trainer.resilience import SafeOnExceptionCheckpoint
+
+__all__ = ["FSDP2Precision", "MemoryReport", "SafeOnExceptionCheckpoint", "ShardedEMA"]
