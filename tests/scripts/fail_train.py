@@ -156,7 +156,7 @@ def main(spec: dict) -> None:
     if spec.get("checkpoint_dir"):
         callbacks.append(ModelCheckpoint(dirpath=spec["checkpoint_dir"], save_last=True, **spec.get("checkpoint_kwargs", {})))
     if spec.get("on_exception_dir"):
-        callbacks.append(resilience.SafeOnExceptionCheckpoint(spec["on_exception_dir"]))
+        callbacks.append(lightning_fsdp.SafeOnExceptionCheckpoint(spec["on_exception_dir"]))
     uneven = spec.get("inject", {}).get("kind") == "uneven"
     trainer = L.Trainer(
         accelerator="cpu",
