@@ -19,12 +19,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fsdp._torch_compat import foreach_copy_, foreach_lerp_
-from lightning_fsdp.checkpoint.state import MODEL_LIKE_KEYS
+from lightning_fsdp.checkpoint.schema import SCHEMA
 from lightning_fsdp.memory import tensor_bytes
 from lightning_fsdp.parallel.mesh import local_shard
 
 #: the checkpoint entry holding the average (model keys → tensors, sharded like the model)
-EMA_ENTRY = MODEL_LIKE_KEYS[0]
+EMA_ENTRY = SCHEMA.ema
 
 
 class ShardedAverage:

@@ -16,11 +16,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.checkpoint.schema import SCHEMA
 from lightning_fsdp.formatting import short_list
 from lightning_fsdp.sharding.quantize import SETTINGS, QuantizedBase
-
-#: the top-level checkpoint entry holding the reference (plain data, in ``meta.pt``)
-PRETRAINED_ENTRY = "lightning_fsdp_pretrained"
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,7 @@ BaseResolver = Callable[[BaseReference], None]
 
 
 def pop_reference(meta: dict[str, Any], where: Path) -> Optional[BaseReference]:
-    data = meta.pop(PRETRAINED_ENTRY, None)
+    data = meta.pop(SCHEMA.pretrained_base, None)
     return BaseReference.from_dict(data, where) if data is not None else None
 
 
@@ -79,21 +77,17 @@ def require_resolver(reference: BaseReference, resolver: Optional[R], where: Pat
 
 
 # -- a quantized base (QLoRA) -------------------------------------------------------------------------------------------
-#: the top-level checkpoint entry recording which weights the run held quantized, and how (plain data, in ``meta.pt``)
-QUANTIZED_ENTRY = "lightning_fsdp_quantized_base"
-
-
 def leave_out_quantized(checkpoint: dict[str, Any], quantized: QuantizedBase) -> None:
     """Before a save: quantized weights never go into a checkpoint (they are re-quantized from the base files, or
     from the model as built, on resume); record which they were and how they were quantized."""
     names = set(quantized.names)
-    state = checkpoint.get("state_dict", {})
-    checkpoint["state_dict"] = {k: v for k, v in state.items() if k not in names}
-    checkpoint[QUANTIZED_ENTRY] = quantized.to_dict()
+    state = checkpoint.get(SCHEMA.model, {})
+    checkpoint[SCHEMA.model] = {k: v for k, v in state.items() if k not in names}
+    checkpoint[SCHEMA.quantized_base] = quantized.to_dict()
 
 
 def pop_quantized(meta: dict[str, Any], where: Path) -> Optional[QuantizedBase]:
-    data = meta.pop(QUANTIZED_ENTRY, None)
+    data = meta.pop(SCHEMA.quantized_base, None)
     if data is None:
         return None
     try:

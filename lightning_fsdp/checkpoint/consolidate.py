@@ -24,13 +24,8 @@ from lightning_fsdp.checkpoint.base_weights import BaseReference, pop_reference,
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.reader import CheckpointReader
 from lightning_fsdp.checkpoint.safetensors_file import Entry, entry_bytes, write_safetensors
-from lightning_fsdp.checkpoint.state import (
-    MODEL_LIKE_KEYS,
-    TensorPath,
-    assemble_full_checkpoint,
-    stamp_lightning_version,
-    weight_paths,
-)
+from lightning_fsdp.checkpoint.schema import SCHEMA, TensorPath
+from lightning_fsdp.checkpoint.state import assemble_full_checkpoint, stamp_lightning_version, weight_paths
 
 Format = Literal["ckpt", "safetensors"]
 
@@ -111,15 +106,15 @@ def consolidate_checkpoint(
 
         chosen = weight_paths(paths, weights, src)
         # with the average as the weights, the output holds no second copy of it
-        skipped = ("state_dict", *MODEL_LIKE_KEYS) if weights == "ema" else ("state_dict",)
-        for key in MODEL_LIKE_KEYS if weights == "ema" else ():
+        skipped = (SCHEMA.model, *SCHEMA.model_like) if weights == "ema" else (SCHEMA.model,)
+        for key in SCHEMA.model_like if weights == "ema" else ():
             meta.pop(key, None)
         entries: dict[TensorPath, Entry] = {path: entry(key) for key, path in paths.items() if path[0] not in skipped}
-        entries.update({("state_dict", name): entry(key) for name, key in chosen.items()})
-        entries.update({("state_dict", key): entry for key, entry in base.items()})
+        entries.update({SCHEMA.model_path(name): entry(key) for name, key in chosen.items()})
+        entries.update({SCHEMA.model_path(key): entry for key, entry in base.items()})
         with commit_ops.staged(dst) as staging:
             if format == "safetensors":
-                model_weights = {str(p[1]): e for p, e in entries.items() if p[0] == "state_dict" and len(p) == 2}
+                model_weights = {SCHEMA.model_key(p): e for p, e in entries.items() if SCHEMA.is_model_tensor(p)}
                 bar = _Progress(len(model_weights), sum(entry_bytes(e) for e in model_weights.values()), progress)
                 write_safetensors(staging, model_weights, {"source": manifest.target, "format": "pt"}, bar.update)
             else:

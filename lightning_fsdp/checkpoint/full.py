@@ -23,10 +23,9 @@ from lightning_fsdp.checkpoint.checksums import kind_of
 from lightning_fsdp.checkpoint.compatibility import check_count, check_entry_fits, check_fits, describe
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.safe_load import safe_torch_load
+from lightning_fsdp.checkpoint.schema import SCHEMA
 from lightning_fsdp.checkpoint.sharded import RESTORE_HINT, SAVE_HINT, agreed
 from lightning_fsdp.checkpoint.state import (
-    META_KEY,
-    MODEL_LIKE_KEYS,
     assemble_full_checkpoint,
     is_id_keyed,
     optimizer_state_to_fqns,
@@ -95,12 +94,12 @@ def load(
         ckpt = safe_torch_load(path, where=path, mmap=zipfile.is_zipfile(path))
         if not isinstance(ckpt, dict):
             raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a Lightning checkpoint dict.")
-        full_sd = ckpt.pop("state_dict", None)
+        full_sd = ckpt.pop(SCHEMA.model, None)
         if full_sd is None:
-            raise CheckpointError(f"{path} has no 'state_dict'; it is not a Lightning checkpoint.")
+            raise CheckpointError(f"{path} has no {SCHEMA.model!r}; it is not a Lightning checkpoint.")
         if not isinstance(full_sd, Mapping) or any(not isinstance(v, torch.Tensor) for v in full_sd.values()):
-            raise CheckpointError(f"{path}: 'state_dict' must map parameter names to tensors.")
-        optim_states = ckpt.pop("optimizer_states", None)
+            raise CheckpointError(f"{path}: {SCHEMA.model!r} must map parameter names to tensors.")
+        optim_states = ckpt.pop(SCHEMA.optimizers, None)
         full_sd = dict(full_sd)
         check_fits(path, describe(full_sd), current, strict=strict, what="model")
         for key in set(full_sd) - set(current):
@@ -110,7 +109,7 @@ def load(
             optim_states = [
                 optimizer_state_to_fqns(o, names) if is_id_keyed(o) else o for o, names in zip(optim_states, group_names)
             ]
-        entries = {key: ckpt.pop(key) for key in MODEL_LIKE_KEYS if isinstance(ckpt.get(key), Mapping)}
+        entries = {key: ckpt.pop(key) for key in SCHEMA.model_like if isinstance(ckpt.get(key), Mapping)}
         for key, entry in entries.items():
             if key not in model_entries:
                 continue
@@ -140,7 +139,7 @@ def load(
         like = get_model_state_dict(model)
         rest.update(agreed(lambda: scatter_entries(names, holder.get("entries", {}), like), f"Loading checkpoint {path}"))
     holder.clear()
-    rest.pop(META_KEY, None)
+    rest.pop(SCHEMA.bookkeeping, None)
     return rest
 
 

@@ -29,6 +29,7 @@ from torch import nn
 from lightning_fsdp.checkpoint.compatibility import check_fits, describe
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.safe_load import safe_torch_load
+from lightning_fsdp.checkpoint.schema import SCHEMA
 from lightning_fsdp.checkpoint.sharded import agreed
 from lightning_fsdp.formatting import short_list
 from lightning_fsdp.parallel.collectives import broadcast_object, collective_device, is_distributed, on_rank_zero, rank
@@ -64,14 +65,14 @@ def read_weights(path: Union[str, Path]) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as err:
             raise CheckpointError(f"{path} is not a readable safetensors file: {err}.") from None
     obj = safe_torch_load(path, where=path, mmap=True)
-    if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
-        obj = obj["state_dict"]
+    if isinstance(obj, Mapping) and isinstance(obj.get(SCHEMA.model), Mapping):
+        obj = obj[SCHEMA.model]
     if not isinstance(obj, Mapping) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
     ):
         raise CheckpointError(
             f"{path} is not a state dict (a mapping of parameter names to tensors), nor a Lightning checkpoint holding"
-            " one under 'state_dict'."
+            f" one under {SCHEMA.model!r}."
         )
     return dict(obj)
 

@@ -29,7 +29,7 @@ from lightning_fsdp.checkpoint.manifest import (
     require_listed,
 )
 from lightning_fsdp.checkpoint.safe_load import EntryBuffer, load_metadata_bytes, read_entry, safe_torch_load
-from lightning_fsdp.checkpoint.state import META_KEY, TensorPath
+from lightning_fsdp.checkpoint.schema import SCHEMA, TensorPath
 
 #: read by every loader before anything else, and verified whole before they are parsed (they are small)
 STATE_FILES = (".metadata", META_NAME)
@@ -42,10 +42,10 @@ def read_state_files(path: Path, manifest: Manifest) -> tuple[Any, dict[str, Any
     metadata = load_metadata_bytes((path / ".metadata").read_bytes(), path / ".metadata")
     require_listed(path, manifest, [getattr(i, "relative_path", "") for i in metadata.storage_data.values()])
     meta = safe_torch_load(path / META_NAME, where=path / META_NAME)
-    if not isinstance(meta, dict) or not isinstance(meta.get(META_KEY), dict):
+    if not isinstance(meta, dict) or not isinstance(meta.get(SCHEMA.bookkeeping), dict):
         raise CheckpointError(f"{path / META_NAME} is not a lightning_fsdp checkpoint state file.")
-    info = meta.pop(META_KEY)
-    return metadata, meta, {k: tuple(v) for k, v in info["tensors"].items()}
+    info = meta.pop(SCHEMA.bookkeeping)
+    return metadata, meta, {k: tuple(v) for k, v in info[SCHEMA.tensor_map].items()}
 
 
 def checks_before_reading(

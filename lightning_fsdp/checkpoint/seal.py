@@ -37,10 +37,9 @@ from lightning_fsdp.checkpoint.manifest import (
     write_manifest,
 )
 from lightning_fsdp.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata, safe_torch_load
+from lightning_fsdp.checkpoint.schema import SCHEMA, TensorPath
 from lightning_fsdp.checkpoint.state import (
     META_FORMAT_VERSION,
-    META_KEY,
-    TensorPath,
     insert_tensors,
     plain_checkpoint_meta,
     stamp_lightning_version,
@@ -57,10 +56,10 @@ def _lightning_path(flat_path: tuple[Any, ...]) -> TensorPath:
     head, *rest = flat_path
     match = _OPTIMIZER.match(str(head))
     if match:
-        return ("optimizer_states", int(match.group(1)), *rest)
-    if head in ("state_dict", "model"):
-        return ("state_dict", ".".join(str(p) for p in rest))
-    return ("state_dict", ".".join(str(p) for p in flat_path))  # a plain DCP checkpoint: model keys at the top
+        return (SCHEMA.optimizers, int(match.group(1)), *rest)
+    if head in (SCHEMA.model, "model"):  # the Trainer's entry, or Fabric's usual name for the model
+        return SCHEMA.model_path(".".join(str(p) for p in rest))
+    return SCHEMA.model_path(".".join(str(p) for p in flat_path))  # a plain DCP checkpoint: model keys at the top
 
 
 def _check_storage(path: Path, metadata: Any) -> list[str]:
@@ -121,18 +120,19 @@ def seal(path: Union[str, Path]) -> dict[str, Any]:
             tensor_paths[key] = _lightning_path(tuple(planner_data.get(key, (key,))))
     # DCP flattens plain values too (each param group's lr, betas, params, ... is its own entry): put them back
     plain = {_lightning_path(tuple(planner_data.get(k, (k,)))): v for k, v in _byte_entries(path, metadata).items()}
-    tree: dict[str, Any] = insert_tensors({"state_dict": {}}, plain)
-    meta: dict[str, Any] = {k: v for k, v in lightning_meta.items() if k not in ("state_dict", "optimizer_states")}
-    meta["state_dict"] = tree["state_dict"]
-    count = 1 + max([int(p[1]) for p in (*tensor_paths.values(), *plain) if p[0] == "optimizer_states"], default=-1)
-    optimizers = list(tree.get("optimizer_states") or [])[:count] + [None] * (count - len(tree.get("optimizer_states") or []))
-    optimizers = [{"state": {}, "param_groups": [], **(o or {})} for o in optimizers]
+    tree: dict[str, Any] = insert_tensors({SCHEMA.model: {}}, plain)
+    meta: dict[str, Any] = {k: v for k, v in lightning_meta.items() if k not in (SCHEMA.model, SCHEMA.optimizers)}
+    meta[SCHEMA.model] = tree[SCHEMA.model]
+    count = 1 + max([int(p[1]) for p in (*tensor_paths.values(), *plain) if SCHEMA.is_optimizer_path(p)], default=-1)
+    found = list(tree.get(SCHEMA.optimizers) or [])
+    optimizers = found[:count] + [None] * (count - len(found))
+    optimizers = [{SCHEMA.optimizer_state: {}, SCHEMA.param_groups: [], **(o or {})} for o in optimizers]
     if optimizers:
-        meta["optimizer_states"] = optimizers
+        meta[SCHEMA.optimizers] = optimizers
     resume_mid_epoch(meta)
     stamp_lightning_version(meta)
     meta = plain_checkpoint_meta(meta)
-    meta[META_KEY] = {"format_version": META_FORMAT_VERSION, "tensors": tensor_paths, "sealed": True}
+    meta[SCHEMA.bookkeeping] = {"format_version": META_FORMAT_VERSION, SCHEMA.tensor_map: tensor_paths, "sealed": True}
     if (path / META_NAME).exists():
         os.replace(path / META_NAME, path / ORIGINAL_META)
     tmp = path / (META_NAME + ".tmp")
@@ -150,7 +150,7 @@ def seal(path: Union[str, Path]) -> dict[str, Any]:
     manifest = build_manifest(
         files, world_size=world, mesh=(world,), state_dict_type="sharded", target=path.name, save_id="sealed",
         extra={"sealed_at": time.time(), "sealed_from": "lightning" if lightning_meta else "dcp",
-               **{k: lightning_meta[k] for k in ("epoch", "global_step") if type(lightning_meta.get(k)) is int}},
+               **{k: lightning_meta[k] for k in SCHEMA.progress if type(lightning_meta.get(k)) is int}},
     )
     write_manifest(path, manifest)
     summary = {"path": str(path), "tensors": len(tensor_paths), "files": len(files), "world_size": world,

@@ -38,10 +38,8 @@ from lightning_fsdp.checkpoint.safe_load import (
     load_metadata_bytes,
     safe_torch_load,
 )
-from lightning_fsdp.checkpoint.state import (
-    META_KEY,
-    split_checkpoint,
-)
+from lightning_fsdp.checkpoint.schema import SCHEMA
+from lightning_fsdp.checkpoint.state import split_checkpoint
 from lightning_fsdp.parallel.collectives import (
     agree,
     all_gather_object,
@@ -174,9 +172,9 @@ def stage(checkpoint: Mapping[str, Any], path: Path, mesh: tuple[int, ...]) -> S
     token = broadcast_object(commit_ops.new_token())
     staging = commit_ops.temp_path(path, commit_ops.STAGING, token)
     meta, tensors = agreed(lambda: split_checkpoint(checkpoint), f"Preparing checkpoint {path}")
-    extra = {k: checkpoint[k] for k in ("epoch", "global_step") if type(checkpoint.get(k)) is int}
+    extra = {k: checkpoint[k] for k in SCHEMA.progress if type(checkpoint.get(k)) is int}
     save = StagedSave(path, staging, token, FileRecords(), mesh, extra)
-    save.tensors = {key: tensors[p] for key, p in meta[META_KEY]["tensors"].items()}
+    save.tensors = {key: tensors[p] for key, p in meta[SCHEMA.bookkeeping][SCHEMA.tensor_map].items()}
 
     def prepare() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,15 +39,9 @@ from lightning_fsdp.checkpoint.manifest import (
 )
 from lightning_fsdp.checkpoint.reader import STATE_FILES, checks_before_reading, read_state_files
 from lightning_fsdp.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, VerifyingFileSystemReader
+from lightning_fsdp.checkpoint.schema import SCHEMA, TensorPath
 from lightning_fsdp.checkpoint.sharded import RESTORE_HINT, agreed, read_into
-from lightning_fsdp.checkpoint.state import (
-    MODEL_LIKE_KEYS,
-    SHARDED_KEYS,
-    TensorPath,
-    extract_tensors,
-    insert_tensors,
-    storage_key,
-)
+from lightning_fsdp.checkpoint.state import extract_tensors, insert_tensors, storage_key
 from lightning_fsdp.parallel.collectives import (
     all_gather_object,
     any_rank,
@@ -90,7 +84,7 @@ def load(
     """Restore ``model`` and ``optimizers`` from the sharded checkpoint ``path`` (every rank). Returns the rest of
     the Lightning checkpoint. A checkpoint that refers to frozen base weights has them restored by
     ``resolve_base`` (after every check, before its own tensors are read). ``model_entries``: the entries keyed
-    like the model (``MODEL_LIKE_KEYS``, e.g. an EMA's) that a callback will take, returned resharded like the
+    like the model (``SCHEMA.model_like``, e.g. an EMA's) that a callback will take, returned resharded like the
     model; other such entries are not read (they would cost memory for nothing).
 
     Sizes (and the checksums of files read unverified) are checked in a background thread while the (already
@@ -119,14 +113,14 @@ def load(
         reference = pop_reference(meta, path)
         quantized = pop_quantized(meta, path)
         check_quantization(path, quantized, quantized_names(model))
-        has_optim = bool(optimizers) and meta.get("optimizer_states") is not None
+        has_optim = bool(optimizers) and meta.get(SCHEMA.optimizers) is not None
         model_sd = get_model_state_dict(model)
         optim_sds = [get_optimizer_state_dict(model, opt) for opt in optimizers] if has_optim else []
         targets: dict[TensorPath, torch.Tensor] = {
-            ("state_dict", name): value for name, value in model_sd.items() if isinstance(value, torch.Tensor)
+            SCHEMA.model_path(name): value for name, value in model_sd.items() if isinstance(value, torch.Tensor)
         }
         for i, osd in enumerate(optim_sds):
-            targets.update(extract_tensors(osd["state"], ("optimizer_states", i, "state"))[1])
+            targets.update(extract_tensors(osd[SCHEMA.optimizer_state], SCHEMA.optimizer_state_prefix(i))[1])
         targets.update(model_like_targets(saved_paths, model_sd, model_entries))
         # not in the checkpoint: the base weights it refers to, and weights quantized from the model as built
         referenced = tuple(dict.fromkeys([*(reference.keys if reference else ()), *(quantized.names if quantized else ())]))
@@ -162,18 +156,19 @@ def load(
         # keys were checked above; the base's keys are not in `model_sd` (restored by `resolve_base`)
         set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict and not referenced))
         for i, (opt, osd) in enumerate(zip(optimizers, optim_sds)):
-            saved = meta["optimizer_states"][i]
-            loaded = {p[3:]: t for p, t in targets.items() if p[:3] == ("optimizer_states", i, "state")}
-            state = {k: v for k, v in saved.get("state", {}).items() if k in osd["state"]}
+            saved = meta[SCHEMA.optimizers][i]
+            loaded = SCHEMA.optimizer_state_items(targets, i)
+            state = {k: v for k, v in saved.get(SCHEMA.optimizer_state, {}).items() if k in osd[SCHEMA.optimizer_state]}
+            groups = saved[SCHEMA.param_groups]
             set_optimizer_state_dict(
-                model, opt, {"state": insert_tensors(state, loaded), "param_groups": saved["param_groups"]}
+                model, opt, {SCHEMA.optimizer_state: insert_tensors(state, loaded), SCHEMA.param_groups: groups}
             )
 
     agreed(apply, f"Restoring checkpoint {path}", hint=RESTORE_HINT)
-    for key in SHARDED_KEYS:
+    for key in SCHEMA.sharded:
         meta.pop(key, None)
-    for key in MODEL_LIKE_KEYS:  # e.g. the EMA average: read resharded, handed to the callback that saved it
-        entry = {p[1]: t for p, t in targets.items() if p[0] == key}
+    for key in SCHEMA.model_like:  # e.g. the EMA average: read resharded, handed to the callback that saved it
+        entry = {SCHEMA.model_key(p): t for p, t in targets.items() if SCHEMA.is_entry_tensor(p, key)}
         if entry:
             meta[key] = entry
     return meta
@@ -190,10 +185,12 @@ def model_like_targets(
 ) -> dict[TensorPath, Any]:
     """Fresh tensors, sharded like the model's, for the saved ``wanted`` entries keyed like the model (keys the
     model lacks get none: :func:`check_compatible` names them)."""
+    entries = [key for key in SCHEMA.model_like if key in wanted]
     return {
-        p: torch.empty_like(model_sd[str(p[1])])
+        p: torch.empty_like(model_sd[SCHEMA.model_key(p)])
         for p in saved_paths.values()
-        if p[0] in MODEL_LIKE_KEYS and p[0] in wanted and len(p) == 2 and isinstance(model_sd.get(str(p[1])), torch.Tensor)
+        if any(SCHEMA.is_entry_tensor(p, key) for key in entries)
+        and isinstance(model_sd.get(SCHEMA.model_key(p)), torch.Tensor)
     }
 
 
@@ -218,19 +215,18 @@ def check_compatible(
                 f"{path}: .metadata has no tensor {key!r} listed in meta.pt; the checkpoint is inconsistent."
             )
         saved_info[p] = (md.properties.dtype, tuple(md.size))
-    model_saved = {str(p[1]): v for p, v in saved_info.items() if p[0] == "state_dict" and len(p) == 2}
-    model_current = describe({str(p[1]): t for p, t in targets.items() if p[0] == "state_dict"})
+    model_saved = {SCHEMA.model_key(p): v for p, v in saved_info.items() if SCHEMA.is_model_tensor(p)}
+    model_current = describe({SCHEMA.model_key(p): t for p, t in targets.items() if SCHEMA.is_model_tensor(p)})
     model_saved.update({k: model_current[k] for k in referenced if k in model_current})
     check_fits(path, model_saved, model_current, strict=strict, what="model")
     for key in model_entries:  # read into tensors shaped like the model's
-        saved = {str(p[1]): v for p, v in saved_info.items() if p[0] == key and len(p) == 2}
+        saved = {SCHEMA.model_key(p): v for p, v in saved_info.items() if SCHEMA.is_entry_tensor(p, key)}
         check_entry_fits(path, saved, model_current, what=key)
-    saved_states = meta.get("optimizer_states")
+    saved_states = meta.get(SCHEMA.optimizers)
     if not optimizers or saved_states is None:
         return
     check_count(path, saved_states, optimizers)
     for i in range(len(optimizers)):
-        prefix = ("optimizer_states", i, "state")
-        saved = {storage_key(p[3:]): v for p, v in saved_info.items() if p[:3] == prefix}
-        current = describe({storage_key(p[3:]): t for p, t in targets.items() if p[:3] == prefix})
+        saved = {storage_key(p): v for p, v in SCHEMA.optimizer_state_items(saved_info, i).items()}
+        current = describe({storage_key(p): t for p, t in SCHEMA.optimizer_state_items(targets, i).items()})
         check_fits(path, saved, current, strict=strict, what=f"optimizer {i} state")

@@ -18,24 +18,14 @@ import enum
 import pathlib
 import warnings
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.checkpoint.schema import SCHEMA, TensorPath
 
-PathItem = Union[str, int]
-TensorPath = tuple[PathItem, ...]
-
-#: checkpoint entries keyed like the model's ``state_dict`` and sharded like it (``lightning_fsdp.ShardedEMA``'s
-#: average): saved in shards, resharded on load into tensors shaped like the model's
-MODEL_LIKE_KEYS = ("ema_state_dict",)
-#: the checkpoint entries whose tensors go to the shard files
-SHARDED_KEYS = ("state_dict", "optimizer_states", *MODEL_LIKE_KEYS)
-#: written by ``lightning_fsdp.hf.info`` (what HF model the checkpoint holds); read here as plain data
-HF_ENTRY = "lightning_fsdp_hf"
-#: our own bookkeeping inside ``meta.pt``; removed before the dict reaches Lightning
-META_KEY = "lightning_fsdp"
+#: the version of the bookkeeping ``split_checkpoint`` writes into ``meta.pt``
 META_FORMAT_VERSION = 1
 
 
@@ -120,12 +110,12 @@ def weight_paths(paths: Mapping[str, TensorPath], weights: str, where: Any) -> d
     """
     if weights not in WEIGHTS:
         raise ValueError(f"`weights` must be one of {WEIGHTS}, got {weights!r}.")
-    chosen = {str(p[1]): key for key, p in paths.items() if p[0] == "state_dict" and len(p) == 2}
+    chosen = {SCHEMA.model_key(p): key for key, p in paths.items() if SCHEMA.is_model_tensor(p)}
     if weights == "ema":
-        average = {str(p[1]): key for key, p in paths.items() if p[0] == MODEL_LIKE_KEYS[0] and len(p) == 2}
+        average = {SCHEMA.model_key(p): key for key, p in paths.items() if SCHEMA.is_entry_tensor(p, SCHEMA.ema)}
         if not average:
             raise CheckpointError(
-                f"{where} holds no weight average ({MODEL_LIKE_KEYS[0]!r}): it was saved without"
+                f"{where} holds no weight average ({SCHEMA.ema!r}): it was saved without"
                 " `lightning_fsdp.ShardedEMA`. Export the trained weights (without --weights ema)."
             )
         chosen.update({k: v for k, v in average.items() if k in chosen})
@@ -159,7 +149,7 @@ def to_plain(obj: Any, path: TensorPath = (), converted: list[str] | None = None
 
         if isinstance(obj, DTensor):
             raise CheckpointError(
-                f"{_fmt(path)} is a sharded DTensor outside 'state_dict'/'optimizer_states'; gather it with"
+                f"{_fmt(path)} is a sharded DTensor outside {SCHEMA.model!r}/{SCHEMA.optimizers!r}; gather it with"
                 " `.full_tensor()` in `on_save_checkpoint` before saving."
             )
         return obj.detach()
@@ -243,26 +233,26 @@ def optimizer_state_to_ids(state: Mapping[str, Any]) -> dict[str, Any]:
     """
     ids: dict[Any, int] = {}
     groups = []
-    for group in state.get("param_groups", []):
+    for group in state.get(SCHEMA.param_groups, []):
         new_group = dict(group)
         new_group["params"] = []
         for name in group["params"]:
             ids.setdefault(name, len(ids))
             new_group["params"].append(ids[name])
         groups.append(new_group)
-    per_param = {ids[name]: value for name, value in state.get("state", {}).items() if name in ids}
-    return {"state": per_param, "param_groups": groups}
+    per_param = {ids[name]: value for name, value in state.get(SCHEMA.optimizer_state, {}).items() if name in ids}
+    return {SCHEMA.optimizer_state: per_param, SCHEMA.param_groups: groups}
 
 
 def is_id_keyed(state: Mapping[str, Any]) -> bool:
     """Whether an optimizer state dict uses ``torch.optim``'s integer ids (rather than parameter names)."""
-    params = [p for g in state.get("param_groups", []) for p in g.get("params", [])]
+    params = [p for g in state.get(SCHEMA.param_groups, []) for p in g.get("params", [])]
     return bool(params) and all(isinstance(p, int) and not isinstance(p, bool) for p in params)
 
 
 def optimizer_state_to_fqns(state: Mapping[str, Any], group_names: list[list[str]]) -> dict[str, Any]:
     """``torch.optim`` format → parameter-name keyed, matching ids to the current optimizer's names by position."""
-    groups = state.get("param_groups", [])
+    groups = state.get(SCHEMA.param_groups, [])
     saved_sizes = [len(g["params"]) for g in groups]
     current_sizes = [len(n) for n in group_names]
     if saved_sizes != current_sizes:
@@ -278,8 +268,8 @@ def optimizer_state_to_fqns(state: Mapping[str, Any], group_names: list[list[str
         for pid, name in zip(group["params"], names):
             name_of[pid] = name
         new_groups.append(new_group)
-    per_param = {name_of[pid]: value for pid, value in state.get("state", {}).items() if pid in name_of}
-    return {"state": per_param, "param_groups": new_groups}
+    per_param = {name_of[pid]: value for pid, value in state.get(SCHEMA.optimizer_state, {}).items() if pid in name_of}
+    return {SCHEMA.optimizer_state: per_param, SCHEMA.param_groups: new_groups}
 
 
 # -- whole checkpoints ------------------------------------------------------------------------------------------------
@@ -288,7 +278,7 @@ def plain_meta_and_tensors(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any
     meta: dict[str, Any] = {}
     tensors: dict[TensorPath, torch.Tensor] = {}
     for key, value in checkpoint.items():
-        if key in SHARDED_KEYS:
+        if key in SCHEMA.sharded:
             skeleton, found = extract_tensors(value, (key,))
             meta[key] = skeleton
             tensors.update(found)
@@ -300,7 +290,8 @@ def plain_meta_and_tensors(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any
 def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[TensorPath, torch.Tensor]]:
     """Lightning's checkpoint → (plain ``meta.pt`` content, ``{path: tensor}`` of model and optimizer tensors).
 
-    ``meta[META_KEY]["tensors"]`` maps each tensor's storage key to its exact path in the checkpoint dict.
+    ``meta[SCHEMA.bookkeeping][SCHEMA.tensor_map]`` maps each tensor's storage key to its exact path in the
+    checkpoint dict.
     """
     meta, tensors = plain_meta_and_tensors(checkpoint)
     keys: dict[str, TensorPath] = {}
@@ -309,20 +300,20 @@ def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dic
         while key in keys:
             key += "#"
         keys[key] = path
-    meta[META_KEY] = {"format_version": META_FORMAT_VERSION, "tensors": keys}
+    meta[SCHEMA.bookkeeping] = {"format_version": META_FORMAT_VERSION, SCHEMA.tensor_map: keys}
     return meta, tensors
 
 
 def assemble_full_checkpoint(meta: dict[str, Any], tensors: Mapping[TensorPath, torch.Tensor]) -> dict[str, Any]:
     """``meta`` with its tensors put back and optimizer states in ``torch.optim``'s integer-id format: what a plain
     Lightning ``.ckpt`` holds, so ``load_from_checkpoint`` and ``optimizer.load_state_dict`` work without us."""
-    meta.pop(META_KEY, None)
-    for top in SHARDED_KEYS:
+    meta.pop(SCHEMA.bookkeeping, None)
+    for top in SCHEMA.sharded:
         if top in meta:
             meta[top] = insert_tensors(meta[top], tensors, (top,))
-    if meta.get("optimizer_states") is not None:
-        meta["optimizer_states"] = [
-            s if is_id_keyed(s) or not s.get("param_groups") else optimizer_state_to_ids(s)
-            for s in meta["optimizer_states"]
+    if meta.get(SCHEMA.optimizers) is not None:
+        meta[SCHEMA.optimizers] = [
+            s if is_id_keyed(s) or not s.get(SCHEMA.param_groups) else optimizer_state_to_ids(s)
+            for s in meta[SCHEMA.optimizers]
         ]
     return meta

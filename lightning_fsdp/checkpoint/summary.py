@@ -16,19 +16,19 @@ from typing import Any, Optional, Union
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_fsdp.checkpoint.base_weights import PRETRAINED_ENTRY, QUANTIZED_ENTRY
 from lightning_fsdp.checkpoint.checksums import HASH_ALGORITHM
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME, META_NAME, Manifest, read_manifest
 from lightning_fsdp.checkpoint.safe_load import read_metadata, safe_torch_load
-from lightning_fsdp.checkpoint.state import HF_ENTRY, META_KEY, MODEL_LIKE_KEYS, TensorPath
+from lightning_fsdp.checkpoint.schema import SCHEMA, TensorPath
 from lightning_fsdp.formatting import format_bytes, format_count
 
 
 def _group(path: TensorPath) -> str:
-    if path[0] == "optimizer_states":
+    if SCHEMA.is_optimizer_path(path):
         return f"optimizer {path[1]}"
-    return {"state_dict": "model", **{k: k.replace("_state_dict", "") for k in MODEL_LIKE_KEYS}}.get(str(path[0]), str(path[0]))
+    names = {SCHEMA.model: "model", **{k: k.replace("_state_dict", "") for k in SCHEMA.model_like}}
+    return names.get(str(path[0]), str(path[0]))
 
 
 def _tensor_groups(shapes: Mapping[TensorPath, tuple[torch.dtype, tuple[int, ...]]]) -> dict[str, dict[str, Any]]:
@@ -48,15 +48,15 @@ def _tensor_groups(shapes: Mapping[TensorPath, tuple[torch.dtype, tuple[int, ...
 def _not_optimized(shapes: Mapping[TensorPath, Any]) -> Optional[list[str]]:
     """Model tensors without optimizer state: frozen parameters, buffers, tied aliases (``None``: no
     name-keyed optimizer state to tell)."""
-    model = {str(p[1]) for p in shapes if p[0] == "state_dict" and len(p) == 2}
-    optimized = {str(p[3]) for p in shapes if p[0] == "optimizer_states" and len(p) > 3 and p[2] == "state"}
+    model = {SCHEMA.model_key(p) for p in shapes if SCHEMA.is_model_tensor(p)}
+    optimized = {SCHEMA.optimizer_param(p) for p in shapes if SCHEMA.is_optimizer_state(p)}
     return sorted(model - optimized) if optimized else None
 
 
 def _lightning_state(meta: Mapping[str, Any]) -> dict[str, Any]:
-    reference = meta.get(PRETRAINED_ENTRY)
-    hf = meta.get(HF_ENTRY)
-    quantized = meta.get(QUANTIZED_ENTRY)
+    reference = meta.get(SCHEMA.pretrained_base)
+    hf = meta.get(SCHEMA.hf_model)
+    quantized = meta.get(SCHEMA.quantized_base)
     return {
         "epoch": meta.get("epoch"),
         "global_step": meta.get("global_step"),
@@ -95,7 +95,7 @@ def _describe_directory(path: Path) -> dict[str, Any]:
     if (path / META_NAME).is_file():
         loaded = safe_torch_load(path / META_NAME, where=path / META_NAME)
         meta = loaded if isinstance(loaded, dict) else {}
-    tensor_map = (meta.get(META_KEY) or {}).get("tensors") if sealed else None
+    tensor_map = (meta.get(SCHEMA.bookkeeping) or {}).get(SCHEMA.tensor_map) if sealed else None
     shapes: dict[TensorPath, tuple[torch.dtype, tuple[int, ...]]] = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -128,14 +128,15 @@ def _describe_file(path: Path) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a Lightning checkpoint.")
     shapes: dict[TensorPath, tuple[torch.dtype, tuple[int, ...]]] = {}
-    for name, t in (obj.get("state_dict") or {}).items():
-        shapes[("state_dict", name)] = (t.dtype, tuple(t.shape))
-    for i, state in enumerate(obj.get("optimizer_states") or []):
-        for pid, values in (state.get("state") or {}).items():
+    for name, t in (obj.get(SCHEMA.model) or {}).items():
+        shapes[SCHEMA.model_path(name)] = (t.dtype, tuple(t.shape))
+    for i, state in enumerate(obj.get(SCHEMA.optimizers) or []):
+        prefix = SCHEMA.optimizer_state_prefix(i)
+        for pid, values in (state.get(SCHEMA.optimizer_state) or {}).items():
             for key, t in values.items():
                 if isinstance(t, torch.Tensor):
-                    shapes[("optimizer_states", i, "state", pid, key)] = (t.dtype, tuple(t.shape))
-    for key in MODEL_LIKE_KEYS:
+                    shapes[prefix + (pid, key)] = (t.dtype, tuple(t.shape))
+    for key in SCHEMA.model_like:
         for name, t in (obj.get(key) or {}).items():
             shapes[(key, name)] = (t.dtype, tuple(t.shape))
     return {"path": str(path), "kind": "full file", "bytes": path.stat().st_size, "tensors": _tensor_groups(shapes),

@@ -1,11 +1,11 @@
 """Fabric's checkpoint state (``{"model": m, "optimizer": o, "step": n, ...}``) ↔ the checkpoint directory.
 
 Both front ends write the same verified, atomic, reshardable directory through
-:class:`~lightning_fsdp.checkpoint.Checkpointer`: the model's shards under ``state_dict`` and the optimizers' under
-``optimizer_states``, as the Trainer does. What is Fabric's own goes into one plain entry, :data:`FABRIC_ENTRY`: the
-names the model and optimizers had in ``state``, and every other entry (``state_dict()`` of objects that have one,
-plain values as they are). So ``consolidate``, ``verify`` and ``inspect`` read a Fabric checkpoint as they read a
-Trainer one.
+:class:`~lightning_fsdp.checkpoint.Checkpointer`, in the layout :mod:`lightning_fsdp.checkpoint.schema` names: the
+model's shards under ``state_dict`` and the optimizers' under ``optimizer_states``, as the Trainer does. What is
+Fabric's own goes into one plain entry, :data:`FABRIC_ENTRY`: the names the model and optimizers had in ``state``,
+and every other entry (``state_dict()`` of objects that have one, plain values as they are). So ``consolidate``,
+``verify`` and ``inspect`` read a Fabric checkpoint as they read a Trainer one.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_fsdp.checkpoint.schema import SCHEMA
 from lightning_fsdp.formatting import short_list
-from lightning_fsdp.checkpoint.state import HF_ENTRY
 
 #: the checkpoint entry holding Fabric's names and its state's other entries
-FABRIC_ENTRY = "fabric_state"
+FABRIC_ENTRY = SCHEMA.fabric
 #: entries the package writes for itself (export's description of the HF model), not handed back to the loop
-INTERNAL = (HF_ENTRY,)
+INTERNAL = (SCHEMA.hf_model,)
 #: checkpoint keys the Trainer's layout uses; a Fabric state entry of that name would be ambiguous
-RESERVED = ("state_dict", "optimizer_states", FABRIC_ENTRY)
+RESERVED = (SCHEMA.model, SCHEMA.optimizers, FABRIC_ENTRY)
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -76,8 +76,8 @@ class FabricState:
 def to_checkpoint(state: FabricState, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]]) -> dict[str, Any]:
     """The checkpoint dict the :class:`~lightning_fsdp.checkpoint.Checkpointer` writes."""
     return {
-        "state_dict": model_state,
-        "optimizer_states": optimizer_states,
+        SCHEMA.model: model_state,
+        SCHEMA.optimizers: optimizer_states,
         FABRIC_ENTRY: {"model": state.model_name, "optimizers": list(state.optimizers), "entries": state.entries()},
     }
 

@@ -14,8 +14,9 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_fsdp.checkpoint.base_weights import PRETRAINED_ENTRY, BaseReference
+from lightning_fsdp.checkpoint.base_weights import BaseReference
 from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.checkpoint.schema import SCHEMA
 from lightning_fsdp.checkpoint.sharded import agreed
 from lightning_fsdp.formatting import short_list
 from lightning_fsdp.hf.directory import HFDirectory, hash_directory, identity_differences
@@ -36,9 +37,9 @@ def leave_out_base(checkpoint: dict[str, Any], model: nn.Module, base: BaseRefer
     reference = base.only(frozen)
     if reference is None:
         return
-    state = checkpoint.get("state_dict", {})
-    checkpoint["state_dict"] = {k: v for k, v in state.items() if k not in set(reference.keys)}
-    checkpoint[PRETRAINED_ENTRY] = reference.to_dict()
+    state = checkpoint.get(SCHEMA.model, {})
+    checkpoint[SCHEMA.model] = {k: v for k, v in state.items() if k not in set(reference.keys)}
+    checkpoint[SCHEMA.pretrained_base] = reference.to_dict()
 
 
 def resolve_base(model: nn.Module, reference: BaseReference, loaded: Optional[BaseReference]) -> None:

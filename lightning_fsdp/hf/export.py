@@ -32,11 +32,11 @@ from lightning_fsdp.checkpoint.base_weights import BaseReference, pop_quantized,
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.reader import CheckpointReader
 from lightning_fsdp.checkpoint.safetensors_file import Entry, write_tensors
+from lightning_fsdp.checkpoint.schema import SCHEMA
 from lightning_fsdp.checkpoint.state import weight_paths
 from lightning_fsdp.formatting import parse_bytes, short_list
 from lightning_fsdp.hf.conversion import revert_tensor
 from lightning_fsdp.hf.directory import INDEX_NAME, HFDirectory, identity_differences, side_files
-from lightning_fsdp.hf.info import HF_ENTRY
 from lightning_fsdp.hf.keys import KeyLayout, detect_layout, is_adapter_key
 from lightning_fsdp.precision import parse_dtype
 from lightning_fsdp.sharding import tied_aliases
@@ -65,7 +65,7 @@ class CheckpointTensors:
         self.reader = CheckpointReader(src, verify)  # each entry checked as it is read
         meta = self.reader.meta
         self.src = src
-        self.info: Optional[dict[str, Any]] = meta.get(HF_ENTRY)
+        self.info: Optional[dict[str, Any]] = meta.get(SCHEMA.hf_model)
         self.meta = meta
         self.sources: dict[str, Source] = {}
         self.shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}

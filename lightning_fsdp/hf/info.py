@@ -9,12 +9,16 @@ and no copy of the pretrained directory is needed (``--hf-config`` can still sup
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
-from lightning_fsdp.checkpoint.state import HF_ENTRY  # the top-level checkpoint entry holding the description
+from lightning_fsdp.checkpoint.schema import SCHEMA
 from lightning_fsdp.hf.init_rules import pretrained_model_class
+
+if TYPE_CHECKING:
+    from lightning_fsdp.checkpoint.base_weights import BaseReference
+    from lightning_fsdp.sharding.quantize import QuantizedBase
 
 
 def _plain(value: Any) -> Any:
@@ -50,7 +54,11 @@ def describe_hf_model(module: nn.Module) -> Optional[dict[str, Any]]:
 
 
 def annotate_checkpoint(
-    checkpoint: dict[str, Any], module: Optional[nn.Module], base: Any, sharded: bool, quantized: Any = None
+    checkpoint: dict[str, Any],
+    module: Optional[nn.Module],
+    base: Optional[BaseReference],
+    sharded: bool,
+    quantized: Optional[QuantizedBase] = None,
 ) -> None:
     """Before a save: describe the HF model (for export), and for a sharded save leave out the frozen base weights
     ``base`` (a :class:`~lightning_fsdp.checkpoint.base_weights.BaseReference`) supplied, recording where they come
@@ -65,7 +73,7 @@ def annotate_checkpoint(
     if description is not None:
         if base is not None:
             description["source"] = base.identity.get("path")  # config and tokenizer files for export
-        checkpoint[HF_ENTRY] = description
+        checkpoint[SCHEMA.hf_model] = description
     if sharded and base is not None:
         from lightning_fsdp.hf.base import leave_out_base
 

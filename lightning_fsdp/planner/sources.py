@@ -195,8 +195,10 @@ def shapes_from_checkpoint(path: str | Path) -> dict[str, tuple[int, ...]]:
     else:
         import torch
 
+        from lightning_fsdp.checkpoint.schema import SCHEMA
+
         obj = torch.load(path, map_location="meta", weights_only=True, mmap=True)
-        sd = obj.get("state_dict", obj) if isinstance(obj, dict) else obj
+        sd = obj.get(SCHEMA.model, obj) if isinstance(obj, dict) else obj
         shapes = {k: tuple(v.shape) for k, v in sd.items() if hasattr(v, "shape")}
     model = {
         _strip_prefix(k): v for k, v in shapes.items() if not k.startswith(("optimizer", "optim", "lr_scheduler"))
