@@ -20,26 +20,20 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp import _lightning_compat as compat
-from lightning_fsdp.checkpoint.base_weights import BaseReference
 from lightning_fsdp.checkpoint.checkpointer import check_state_dict_type
-from lightning_fsdp.hf import resolve_base
-from lightning_fsdp.hf.info import annotate_checkpoint
 from lightning_fsdp.memory import StateBytes, local_state_bytes
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
-from lightning_fsdp.parallel.grad_norm import StepGradNorm
 from lightning_fsdp.precision import MixedPrecisionArg
-from lightning_fsdp.preparation import Preparation, prepare_model
-from lightning_fsdp.resilience import Resilience, collective
-from lightning_fsdp.sharding import ShardingPlan, WrapPolicy, parameters_on_meta
+from lightning_fsdp.resilience import collective
+from lightning_fsdp.runtime import RuntimeHolder, ShardedRuntime
+from lightning_fsdp.sharding import WrapPolicy, parameters_on_meta
 from lightning_fsdp.sharding.compile import CompileArg
-from lightning_fsdp.sharding.quantize import QuantizedBase
 from lightning_fsdp.trainer import resilience as trainer_resilience
 from lightning_fsdp.trainer.averaging import refuse_unsharded_averaging
 from lightning_fsdp.trainer.mesh_strategy import MeshStrategy
@@ -48,12 +42,10 @@ from lightning_fsdp.trainer.precision import FSDP2Precision
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_fsdp.checkpoint import Checkpointer
-
 StateDictType = Literal["sharded", "full"]
 
 
-class FSDPCustomStrategy(MeshStrategy):
+class FSDPCustomStrategy(RuntimeHolder, MeshStrategy):
     """Fully Sharded Data Parallel (FSDP2, ``fully_shard``) for any LightningModule, with no model changes.
 
     Args:
@@ -121,11 +113,11 @@ class FSDPCustomStrategy(MeshStrategy):
         max_nonfinite_steps: int = 10,
     ) -> None:
         self.mixed_precision = mixed_precision  # read by the precision_plugin setter during super().__init__
-        self._grad_norm = StepGradNorm()  # one norm per step, shared by clipping and the non-finite check
-        self._timeout = process_group.as_timedelta(timeout)
-        resilience = Resilience(self._timeout, bool(skip_nonfinite_steps), int(max_nonfinite_steps), self._grad_norm)
+        self.runtime = ShardedRuntime(process_group.as_timedelta(timeout), skip_nonfinite_steps=skip_nonfinite_steps,
+                                      max_nonfinite_steps=max_nonfinite_steps, async_save=bool(async_save),
+                                      verify_before_load=bool(verify_before_load))
         super().__init__(
-            resilience,
+            self.runtime,
             replicate_size=replicate_size,
             shard_size=shard_size,
             process_group_backend=process_group_backend,
@@ -135,8 +127,6 @@ class FSDPCustomStrategy(MeshStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        ShardingPlan(auto_wrap_policy, activation_checkpointing_policy, reshard_after_forward=reshard_after_forward,
-                     compile=compile, quantize_base=quantize_base)  # validated now, before any process starts
         check_state_dict_type(state_dict_type, quantize_base)
         self.auto_wrap_policy = auto_wrap_policy
         self.activation_checkpointing_policy = activation_checkpointing_policy
@@ -144,17 +134,14 @@ class FSDPCustomStrategy(MeshStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.compile = compile
         self.quantize_base = quantize_base
-        self.quantized_base: Optional[QuantizedBase] = None  # what setup quantized
         self.state_dict_type: StateDictType = state_dict_type
         self.async_save = bool(async_save)
         self.verify_before_load = bool(verify_before_load)
         self.pretrained_weights = pretrained_weights
         self.pretrained_key_map = dict(pretrained_key_map) if pretrained_key_map else None
-        self.pretrained_base: Optional[BaseReference] = None  # the safetensors base loaded at setup
         self.skip_nonfinite_steps = bool(skip_nonfinite_steps)
         self.max_nonfinite_steps = int(max_nonfinite_steps)
-        self.wrapped_units: list[str] = []
-        self._checkpointer: Optional[Checkpointer] = None
+        self.model_options()  # invalid policies fail now, before any process starts
         self._forward_redirection = compat.RootForwardRedirection()
 
     # -- precision -------------------------------------------------------------------------------------------------
@@ -170,7 +157,7 @@ class FSDPCustomStrategy(MeshStrategy):
         """Lightning hands every strategy its generic plugin for ``precision=``; ours maps it onto FSDP2."""
         adopted = FSDP2Precision.adopt(plugin, self.mixed_precision, owner=type(self).__name__)
         if adopted is not None:
-            adopted.grad_norm = self._grad_norm
+            adopted.grad_norm = self.runtime.grad_norm
         self._precision_plugin = adopted
 
     # -- model -------------------------------------------------------------------------------------------------------
@@ -203,29 +190,10 @@ class FSDPCustomStrategy(MeshStrategy):
         trainer_resilience.attach(self.resilience, trainer)
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
-        model = self.precision_plugin.convert_module(model)
-        # pinned host memory speeds host↔device copies, and only exists with an accelerator
-        offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()
-        plan = ShardingPlan(
-            wrap_policy=self.auto_wrap_policy,
-            activation_checkpointing=self.activation_checkpointing_policy,
-            mp_policy=self.precision_plugin.mp_policy,
-            offload_policy=offload,
-            reshard_after_forward=self.reshard_after_forward,
-            compile=self.compile,
-            quantize_base=self.quantize_base,
-        )
-        device = torch.device("cpu") if self.cpu_offload else self.root_device
         assert self.lightning_module is not None
-        strict = self.lightning_module.strict_loading
-        preparation = Preparation(plan, device, self.pretrained_weights, strict, self.pretrained_key_map)
-        prepared = prepare_model(model, self.device_mesh, preparation)
-        if prepared.units:
-            self.wrapped_units, self.pretrained_base, self.quantized_base = prepared.units, prepared.base, prepared.quantized
-        rank_zero_info(f"{type(self).__name__}: {len(self.wrapped_units)} FSDP units on mesh {self.mesh_shape}")
-        return model
+        model = self.precision_plugin.convert_module(model)
+        return self.runtime.prepare(model, self.model_options(), self.precision_plugin.mp_policy, self.root_device,
+                                    self.lightning_module.strict_loading, owner=type(self).__name__)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -302,7 +270,7 @@ class FSDPCustomStrategy(MeshStrategy):
         closure = trainer_resilience.guarded_closure(
             self.resilience, closure, compat.unwrap_optimizer(optimizer), trainer, self.root_device, has_scaler
         )
-        with self._grad_norm.step():
+        with self.runtime.grad_norm.step():
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
@@ -315,14 +283,6 @@ class FSDPCustomStrategy(MeshStrategy):
     @override
     def lightning_restore_optimizer(self) -> bool:
         return False  # `load_checkpoint` restores optimizer shards itself
-
-    @property
-    def checkpointer(self) -> Checkpointer:
-        if self._checkpointer is None:
-            from lightning_fsdp.checkpoint import Checkpointer
-
-            self._checkpointer = Checkpointer(async_save=self.async_save, verify_before_load=self.verify_before_load)
-        return self._checkpointer
 
     @override
     @collective("the checkpoint's model state (a collective)")
@@ -349,24 +309,15 @@ class FSDPCustomStrategy(MeshStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
         path = Path(self.broadcast(str(filepath)))  # one path for every rank
-        sharded = self.state_dict_type == "sharded"
-        annotate_checkpoint(checkpoint, self.lightning_module, self.pretrained_base, sharded, self.quantized_base)
-        self.checkpointer.save(checkpoint, path, mesh_shape=self.mesh_shape, full=self.state_dict_type == "full")
+        self.runtime.save(checkpoint, path, self.lightning_module, self.mesh_shape, full=self.state_dict_type == "full")
 
     @override
     def load_checkpoint(self, checkpoint_path: compat.PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         optimizers = [compat.unwrap_optimizer(o) for o in self.optimizers]
-        model = self.model
-        return self.checkpointer.load(
-            path,
-            model=model,
-            optimizers=optimizers,
-            strict=self.lightning_module.strict_loading,
-            resolve_base=lambda reference: resolve_base(model, reference, self.pretrained_base),
-            model_entries=self._model_entries(),
-        )
+        return self.runtime.load(path, self.model, optimizers, self.lightning_module.strict_loading,
+                                 model_entries=self._model_entries())
 
     def _model_entries(self) -> tuple[str, ...]:
         """The checkpoint entries keyed like the model that a callback takes (``ShardedEMA``'s average)."""
@@ -387,8 +338,7 @@ class FSDPCustomStrategy(MeshStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._checkpointer is not None:
-            self._checkpointer.finalize()
+        self.runtime.checkpointer.finalize()  # a pending async save commits before the processes go
         super().teardown()
 
     @classmethod

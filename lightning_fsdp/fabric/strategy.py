@@ -17,7 +17,6 @@ from datetime import timedelta
 from pathlib import Path
 import atexit
 import signal
-import sys
 from typing import Any, Optional, Union
 
 import torch
@@ -26,7 +25,6 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.utilities.distributed import group as lightning_group
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
@@ -35,23 +33,18 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp import _lightning_compat as compat
-from lightning_fsdp.checkpoint.base_weights import BaseReference
-from lightning_fsdp.checkpoint.checkpointer import Checkpointer
 from lightning_fsdp.fabric.checkpoint import FabricState, restore_entries, to_checkpoint
 from lightning_fsdp.fabric.precision import FSDP2FabricPrecision
-from lightning_fsdp.hf import resolve_base
-from lightning_fsdp.hf.info import annotate_checkpoint
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.parallel.grad_norm import clip_grad_norm_
 from lightning_fsdp.parallel.placement import MeshPlacement
 from lightning_fsdp.precision import MixedPrecisionArg
-from lightning_fsdp.preparation import Preparation, prepare_model
-from lightning_fsdp.resilience import RelayedLaunch, Resilience, collective
+from lightning_fsdp.resilience import RelayedLaunch, collective
 from lightning_fsdp.resilience.report import on_uncaught
-from lightning_fsdp.sharding import ShardingPlan, WrapPolicy, parameters_on_meta
+from lightning_fsdp.runtime import RuntimeHolder, ShardedRuntime
+from lightning_fsdp.sharding import WrapPolicy, parameters_on_meta
 from lightning_fsdp.sharding.compile import CompileArg
-from lightning_fsdp.sharding.quantize import QuantizedBase
 
 
 class _RelayedFabricLauncher(RelayedLaunch, compat.FabricSubprocessScriptLauncher):
@@ -80,7 +73,7 @@ def _without_gradient_sync(module: Module) -> Generator[None, None, None]:
         module.set_requires_gradient_sync(True)
 
 
-class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
+class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
     """Fully Sharded Data Parallel (FSDP2) for Fabric loops: ``Fabric(strategy="fsdp_custom")``.
 
     Takes the Trainer strategy's model arguments (``auto_wrap_policy``, ``activation_checkpointing_policy``,
@@ -114,8 +107,6 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
         mesh_utils.check_size("replicate_size", replicate_size)
         mesh_utils.check_size("shard_size", shard_size)
         process_group.check_backend(process_group_backend)
-        ShardingPlan(auto_wrap_policy, activation_checkpointing_policy, reshard_after_forward=reshard_after_forward,
-                     compile=compile, quantize_base=quantize_base)  # validated now, before any process starts
         self.mixed_precision = mixed_precision  # read by the precision setter during super().__init__
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision)
@@ -129,18 +120,15 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
         self.quantize_base = quantize_base
         self.pretrained_weights = pretrained_weights
         self.pretrained_key_map = dict(pretrained_key_map) if pretrained_key_map else None
+        self.model_options()  # invalid policies fail now, before any process starts
         self.num_nodes = 1
-        self.wrapped_units: list[str] = []
-        self.pretrained_base: Optional[BaseReference] = None
-        self.quantized_base: Optional[QuantizedBase] = None
-        self.checkpointer = Checkpointer()
+        self.runtime = ShardedRuntime(process_group.as_timedelta(timeout))
+        #: failures between ranks, as under the Trainer: the relay, preemption signals, named collective timeouts
+        self.resilience = self.runtime.resilience
         self._process_group_backend = process_group_backend
-        self._timeout = process_group.as_timedelta(timeout)
         self._mesh_shape: Optional[mesh_utils.MeshShape] = None
         self._device_mesh: Any = None
         self._backward_sync_control = _NoGradientSync()
-        #: failures between ranks, as under the Trainer: the relay, preemption signals, named collective timeouts
-        self.resilience = Resilience(self._timeout, skip_nonfinite_steps=False, max_nonfinite_steps=1)
 
     # -- precision ---------------------------------------------------------------------------------------------------
     @property
@@ -171,17 +159,9 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
         self.set_world_ranks()
         backend = self._process_group_backend or process_group.default_backend(self.root_device)
         self._process_group_backend = backend
-        compat.init_dist_connection(self.cluster_environment, backend, timeout=self.resilience.rendezvous_timeout,
-                                    device_id=self.root_device if self.root_device.type == "cuda" else None)
-        # gloo's worker threads must be released while the interpreter is alive; not while a failure is handled
-        # (peers may still block in the group): the relay ends them
-        process_group.destroy_process_group_at_exit(
-            keep_if=lambda: self.resilience.failing or hasattr(sys, "last_value")
-        )
-        self._device_mesh = mesh_utils.build_device_mesh(self.mesh_shape, self.root_device.type)
-        self.resilience.start(self._device_mesh)  # the collective timeout on every group, the relay watching
+        self._device_mesh = self.runtime.join(self.cluster_environment, backend, self.root_device, self.mesh_shape)
         on_uncaught(self.resilience.relay.on_exception)  # a Fabric loop's exception ends every rank promptly
-        atexit.register(self.resilience.teardown)  # runs before the group is destroyed (registered later)
+        atexit.register(self.resilience.teardown)  # runs before the group is destroyed (registered earlier)
         self.precision.policy.device_type = self.root_device.type
         self.resilience.preemption.install([s for s in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)) if s])
 
@@ -201,22 +181,9 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
         # Fabric has converted the module's dtype already (`precision.convert_module`, before every setup)
-        offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()
-        plan = ShardingPlan(
-            wrap_policy=self.auto_wrap_policy, activation_checkpointing=self.activation_checkpointing_policy,
-            mp_policy=self.precision.mp_policy, offload_policy=offload, reshard_after_forward=self.reshard_after_forward,
-            compile=self.compile, quantize_base=self.quantize_base,
-        )
-        device = torch.device("cpu") if self.cpu_offload else self.root_device
-        preparation = Preparation(plan, device, self.pretrained_weights, True, self.pretrained_key_map)
-        prepared = prepare_model(module, self.device_mesh, preparation)
-        if prepared.units:
-            self.wrapped_units, self.pretrained_base, self.quantized_base = prepared.units, prepared.base, prepared.quantized
-        rank_zero_info(f"{type(self).__name__}: {len(self.wrapped_units)} FSDP units on mesh {self.mesh_shape}")
-        return module
+        return self.runtime.prepare(module, self.model_options(), self.precision.mp_policy, self.root_device,
+                                    strict=True, owner=type(self).__name__)
 
     @override
     def setup_module_and_optimizers(
@@ -295,8 +262,7 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
             fabric_state, self.checkpointer.model_state_dict(model, full=False),
             [self.checkpointer.optimizer_state_dict(model, o, full=False) for o in fabric_state.optimizers.values()],
         )
-        annotate_checkpoint(checkpoint, model, self.pretrained_base, True, self.quantized_base)
-        self.checkpointer.save_sharded(checkpoint, path, mesh_shape=self.mesh_shape)
+        self.runtime.save(checkpoint, path, model, self.mesh_shape)
 
     @override
     def load_checkpoint(
@@ -318,10 +284,7 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
         fabric_state = FabricState.of(state, "fabric.load")
         model = fabric_state.model
         optimizers = list(fabric_state.optimizers.values())
-        rest = self.checkpointer.load(
-            path, model=model, optimizers=optimizers, strict=strict,
-            resolve_base=lambda reference: resolve_base(model, reference, self.pretrained_base),
-        )
+        rest = self.runtime.load(path, model, optimizers, strict)
         return restore_entries(fabric_state, state, rest, path, strict)
 
     def load_raw_module(self, path: Path, module: Module, strict: bool) -> None:
@@ -338,8 +301,7 @@ class FSDPCustomFabricStrategy(MeshPlacement, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self.checkpointer.finalize()
-        self.resilience.teardown()
+        self.runtime.teardown()
         super().teardown()
 
     @classmethod

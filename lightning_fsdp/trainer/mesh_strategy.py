@@ -8,7 +8,6 @@ the data, and runs the collectives every LightningModule may call, each guarded 
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch.distributed as dist
@@ -24,7 +23,8 @@ from lightning_fsdp import _lightning_compat as compat
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.parallel.placement import MeshPlacement
-from lightning_fsdp.resilience import Resilience, collective
+from lightning_fsdp.resilience import collective
+from lightning_fsdp.runtime import ShardedRuntime
 from lightning_fsdp.trainer.resilience import ResilientLauncher
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ class MeshStrategy(MeshPlacement, ParallelStrategy):
 
     def __init__(
         self,
-        resilience: Resilience,
+        runtime: ShardedRuntime,
         replicate_size: mesh_utils.SizeArg = 1,
         shard_size: mesh_utils.SizeArg = "auto",
         process_group_backend: Optional[str] = None,
@@ -45,7 +45,8 @@ class MeshStrategy(MeshPlacement, ParallelStrategy):
         mesh_utils.check_size("replicate_size", replicate_size)
         mesh_utils.check_size("shard_size", shard_size)
         process_group.check_backend(process_group_backend)
-        self.resilience = resilience
+        self.runtime = runtime
+        self.resilience = runtime.resilience
         super().__init__(**kwargs)
         self.replicate_size = replicate_size
         self.shard_size = shard_size
@@ -75,17 +76,10 @@ class MeshStrategy(MeshPlacement, ParallelStrategy):
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or process_group.default_backend(self.root_device)
         assert self.cluster_environment is not None
-        compat.init_dist_connection(  # `timeout` applies to every group once all ranks have joined (resilience.start)
-            self.cluster_environment,
-            self._process_group_backend,
-            timeout=self.resilience.rendezvous_timeout,
-            device_id=self.root_device if self.root_device.type == "cuda" else None,
+        self._device_mesh = self.runtime.join(
+            self.cluster_environment, self._process_group_backend, self.root_device, self.mesh_shape
         )
-        strategy = weakref.ref(self)  # the hook must not keep the model (and its process groups) alive until exit
-        process_group.destroy_process_group_at_exit(keep_if=lambda: (s := strategy()) is not None and s.resilience.failing)
-        self._device_mesh = mesh_utils.build_device_mesh(self.mesh_shape, self.root_device.type)
         compat.give_module_device_mesh(self.lightning_module, self._device_mesh)  # `configure_model` may use it
-        self.resilience.start(self._device_mesh)
 
     # -- collectives ---------------------------------------------------------------------------------------------------
     @override

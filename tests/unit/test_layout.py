@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("integrations", {"hf"}),
     ("averaging", {"averaging"}),
     ("preparation", {"preparation"}),
+    ("runtime", {"runtime"}),  # what both front ends hold: process group, prepared model, checkpoints, failures
     ("planner", {"planner"}),
     ("registry", {"registry"}),
     ("trainer pieces", {"trainer"}),  # the Trainer front end's callbacks, plugin, launcher and process hooks
@@ -294,3 +295,13 @@ def test_lost_fast_path_warns_once_naming_what_is_lost(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert compat.keep_root_gathered(object()) is False  # said once only
+
+
+def test_front_ends_delegate_the_shared_work_to_one_runtime():
+    """Process-group start-up, model preparation, checkpoint annotation and base resolution, and the objects that
+    hold failures and checkpoints are written once, in ``runtime.py``; the front ends only call it."""
+    shared = ("prepare_model(", "init_dist_connection(", "build_device_mesh(", "annotate_checkpoint(", "resolve_base(",
+              "Checkpointer(", "Resilience(", "ShardingPlan(")
+    front_ends = [PACKAGE / "strategy.py", *(PACKAGE / "trainer").glob("*.py"), *(PACKAGE / "fabric").glob("*.py")]
+    wrong = [f"{p.relative_to(PACKAGE)} calls {name}" for p in front_ends for name in shared if name in p.read_text()]
+    assert not wrong, "move this into lightning_fsdp/runtime.py:\n" + "\n".join(wrong)

@@ -1,0 +1,235 @@
+"""``ShardedRuntime``: the work both front ends share beneath their hooks, held in one object.
+
+The Trainer's :class:`~lightning_fsdp.FSDPCustomStrategy` and Fabric's :class:`~lightning_fsdp.FSDPCustomFabricStrategy`
+only translate their framework's hooks; each holds one runtime and delegates to it:
+
+- joining the process group and building the replicate × shard mesh, with the failure relay watching
+  (:meth:`ShardedRuntime.join`);
+- preparing the model — auto-wrap, activation checkpointing, compile, ``fully_shard``, materialisation, the pretrained
+  base, the NF4 base — and remembering what that did (:meth:`ShardedRuntime.prepare`);
+- the step's one gradient norm, the failure handling (:class:`~lightning_fsdp.resilience.Resilience`), and the
+  checkpointer with the pretrained base resolved on load (:meth:`ShardedRuntime.save`, :meth:`ShardedRuntime.load`).
+
+It knows neither the Trainer nor Fabric: values and callables come in, structured errors go out.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_fsdp import _lightning_compat as compat
+from lightning_fsdp.checkpoint.base_weights import BaseReference
+from lightning_fsdp.checkpoint.checkpointer import Checkpointer
+from lightning_fsdp.hf import resolve_base
+from lightning_fsdp.hf.info import annotate_checkpoint
+from lightning_fsdp.parallel import mesh as mesh_utils
+from lightning_fsdp.parallel import process_group
+from lightning_fsdp.parallel.grad_norm import StepGradNorm
+from lightning_fsdp.preparation import Preparation, Prepared, prepare_model
+from lightning_fsdp.resilience import Resilience
+from lightning_fsdp.sharding import ShardingPlan, WrapPolicy
+from lightning_fsdp.sharding.compile import CompileArg
+from lightning_fsdp.sharding.quantize import QuantizedBase
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import ClusterEnvironment
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the model is sharded and loaded: the constructor arguments both front ends take, checked when built."""
+
+    auto_wrap_policy: WrapPolicy = "auto"
+    activation_checkpointing_policy: WrapPolicy = None
+    cpu_offload: bool = False
+    reshard_after_forward: Union[bool, int] = True
+    compile: CompileArg = False
+    quantize_base: Optional[str] = None
+    pretrained_weights: Optional[Union[str, Path]] = None
+    pretrained_key_map: Optional[Mapping[str, str]] = None
+
+    def __post_init__(self) -> None:
+        self.plan()  # invalid policies fail here, before any process starts
+
+    def plan(self, mp_policy: Optional[MixedPrecisionPolicy] = None, on_device: bool = False) -> ShardingPlan:
+        """The sharding plan; ``on_device``: pinned host memory for offload (it exists only with an accelerator)."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        offload = CPUOffloadPolicy(pin_memory=on_device) if self.cpu_offload else OffloadPolicy()
+        return ShardingPlan(
+            wrap_policy=self.auto_wrap_policy,
+            activation_checkpointing=self.activation_checkpointing_policy,
+            mp_policy=mp_policy or MixedPrecisionPolicy(),
+            offload_policy=offload,
+            reshard_after_forward=self.reshard_after_forward,
+            compile=self.compile,
+            quantize_base=self.quantize_base,
+        )
+
+
+class ShardedRuntime:
+    """One front end's sharded-training state (see the module docstring)."""
+
+    def __init__(
+        self,
+        timeout: timedelta,
+        *,
+        skip_nonfinite_steps: bool = False,
+        max_nonfinite_steps: int = 10,
+        async_save: bool = False,
+        verify_before_load: bool = False,
+    ) -> None:
+        #: one norm per step, shared by clipping and the non-finite check
+        self.grad_norm = StepGradNorm()
+        self.resilience = Resilience(timeout, bool(skip_nonfinite_steps), int(max_nonfinite_steps), self.grad_norm)
+        self.checkpointer = Checkpointer(async_save=async_save, verify_before_load=verify_before_load)
+        self.device_mesh: Optional[DeviceMesh] = None
+        self.mesh_shape: Optional[mesh_utils.MeshShape] = None
+        #: what the last :meth:`prepare` did: FSDP units, the safetensors base it loaded, the weights held in NF4
+        self.prepared = Prepared()
+
+    # -- processes -------------------------------------------------------------------------------------------------------
+    def join(
+        self,
+        cluster_environment: ClusterEnvironment,
+        backend: str,
+        root_device: torch.device,
+        mesh_shape: mesh_utils.MeshShape,
+    ) -> DeviceMesh:
+        """Join the process group (the long rendezvous timeout; ``timeout`` applies to every group once all ranks
+        have joined), build the mesh, and start watching for failures."""
+        compat.init_dist_connection(
+            cluster_environment,
+            backend,
+            timeout=self.resilience.rendezvous_timeout,
+            device_id=root_device if root_device.type == "cuda" else None,
+        )
+        # gloo's worker threads must be released while the interpreter is alive; not while a failure is handled
+        # (peers may still block in the group: the relay ends them). A weak reference: the hook must not keep the
+        # model and its groups alive until exit.
+        runtime = weakref.ref(self)
+        process_group.destroy_process_group_at_exit(
+            keep_if=lambda: hasattr(sys, "last_value") or ((r := runtime()) is not None and r.resilience.failing)
+        )
+        self.mesh_shape = mesh_shape
+        self.device_mesh = mesh_utils.build_device_mesh(mesh_shape, root_device.type)
+        self.resilience.start(self.device_mesh)
+        return self.device_mesh
+
+    # -- the model -------------------------------------------------------------------------------------------------------
+    def prepare(
+        self,
+        module: nn.Module,
+        options: ModelOptions,
+        mp_policy: MixedPrecisionPolicy,
+        root_device: torch.device,
+        strict: bool,
+        owner: str,
+    ) -> nn.Module:
+        """Shard ``module`` in place (see :func:`~lightning_fsdp.preparation.prepare_model`); ``owner`` names the
+        front end in the one-line summary."""
+        assert self.device_mesh is not None, "join() the process group before preparing a model"
+        plan = options.plan(mp_policy, on_device=root_device.type == "cuda")
+        device = torch.device("cpu") if options.cpu_offload else root_device
+        preparation = Preparation(plan, device, options.pretrained_weights, strict, options.pretrained_key_map)
+        prepared = prepare_model(module, self.device_mesh, preparation)
+        if prepared.units:
+            self.prepared = prepared
+        rank_zero_info(f"{owner}: {len(self.prepared.units)} FSDP units on mesh {self.mesh_shape}")
+        return module
+
+    @property
+    def pretrained_base(self) -> Optional[BaseReference]:
+        return self.prepared.base
+
+    @property
+    def quantized_base(self) -> Optional[QuantizedBase]:
+        return self.prepared.quantized
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------------
+    def save(
+        self,
+        checkpoint: dict[str, Any],
+        path: Path,
+        model: Optional[nn.Module],
+        mesh_shape: Optional[mesh_utils.MeshShape],
+        full: bool = False,
+    ) -> None:
+        """Describe the HF model, leave out the frozen base (recording where it comes from), then save."""
+        annotate_checkpoint(checkpoint, model, self.pretrained_base, not full, self.quantized_base)
+        self.checkpointer.save(checkpoint, path, mesh_shape=mesh_shape, full=full)
+
+    def load(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        strict: bool,
+        model_entries: Sequence[str] = (),
+    ) -> dict[str, Any]:
+        """Load into the sharded ``model`` and ``optimizers``, reading the frozen base from the files the
+        checkpoint names when this run did not load them; returns the rest of the checkpoint."""
+        return self.checkpointer.load(
+            path,
+            model=model,
+            optimizers=optimizers,
+            strict=strict,
+            resolve_base=lambda reference: resolve_base(model, reference, self.pretrained_base),
+            model_entries=model_entries,
+        )
+
+    def teardown(self) -> None:
+        self.checkpointer.finalize()
+        self.resilience.teardown()
+
+
+class RuntimeHolder:
+    """What both front ends expose over their runtime (users, examples and tests read these off the strategy), and
+    their shared model arguments as one :class:`ModelOptions`."""
+
+    runtime: ShardedRuntime
+    auto_wrap_policy: WrapPolicy
+    activation_checkpointing_policy: WrapPolicy
+    cpu_offload: bool
+    reshard_after_forward: Union[bool, int]
+    compile: CompileArg
+    quantize_base: Optional[str]
+    pretrained_weights: Optional[Union[str, Path]]
+    pretrained_key_map: Optional[dict[str, str]]
+
+    def model_options(self) -> ModelOptions:
+        return ModelOptions(
+            self.auto_wrap_policy, self.activation_checkpointing_policy, self.cpu_offload, self.reshard_after_forward,
+            self.compile, self.quantize_base, self.pretrained_weights, self.pretrained_key_map,
+        )
+
+    @property
+    def wrapped_units(self) -> list[str]:
+        """The FSDP units setup created (module names), in the order they were sharded."""
+        return self.runtime.prepared.units
+
+    @property
+    def pretrained_base(self) -> Optional[BaseReference]:
+        """The safetensors base setup loaded, if any: sharded checkpoints refer to it instead of storing it."""
+        return self.runtime.pretrained_base
+
+    @property
+    def quantized_base(self) -> Optional[QuantizedBase]:
+        """The frozen weights setup holds in NF4, if any."""
+        return self.runtime.quantized_base
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        return self.runtime.checkpointer
