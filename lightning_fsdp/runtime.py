@@ -30,6 +30,7 @@ from torch import nn
 from lightning_fsdp import _lightning_compat as compat
 from lightning_fsdp.checkpoint.base_weights import BaseReference
 from lightning_fsdp.checkpoint.checkpointer import Checkpointer
+from lightning_fsdp.fixes import FixWording, worded_for
 from lightning_fsdp.hf import resolve_base
 from lightning_fsdp.hf.info import annotate_checkpoint
 from lightning_fsdp.parallel import mesh as mesh_utils
@@ -90,17 +91,22 @@ class ShardedRuntime:
         max_nonfinite_steps: int = 10,
         async_save: bool = False,
         verify_before_load: bool = False,
+        wording: FixWording = FixWording(),
     ) -> None:
+        #: how the front end's users are told what to change (its settings' names), in every error from below
+        self.wording = wording
         #: one norm per step, shared by clipping and the non-finite check
         self.grad_norm = StepGradNorm()
-        self.resilience = Resilience(timeout, bool(skip_nonfinite_steps), int(max_nonfinite_steps), self.grad_norm)
+        self.resilience = Resilience(
+            timeout, bool(skip_nonfinite_steps), int(max_nonfinite_steps), self.grad_norm, wording
+        )
         self.checkpointer = Checkpointer(async_save=async_save, verify_before_load=verify_before_load)
         self.device_mesh: Optional[DeviceMesh] = None
         self.mesh_shape: Optional[mesh_utils.MeshShape] = None
         #: what the last :meth:`prepare` did: FSDP units, the safetensors base it loaded, the weights held in NF4
         self.prepared = Prepared()
 
-    # -- processes -------------------------------------------------------------------------------------------------------
+    # -- processes -----------------------------------------------------------------------------------------------------
     def join(
         self,
         cluster_environment: ClusterEnvironment,
@@ -128,7 +134,7 @@ class ShardedRuntime:
         self.resilience.start(self.device_mesh)
         return self.device_mesh
 
-    # -- the model -------------------------------------------------------------------------------------------------------
+    # -- the model -----------------------------------------------------------------------------------------------------
     def prepare(
         self,
         module: nn.Module,
@@ -144,7 +150,8 @@ class ShardedRuntime:
         plan = options.plan(mp_policy, on_device=root_device.type == "cuda")
         device = torch.device("cpu") if options.cpu_offload else root_device
         preparation = Preparation(plan, device, options.pretrained_weights, strict, options.pretrained_key_map)
-        prepared = prepare_model(module, self.device_mesh, preparation)
+        with worded_for(self.wording):
+            prepared = prepare_model(module, self.device_mesh, preparation)
         if prepared.units:
             self.prepared = prepared
         rank_zero_info(f"{owner}: {len(self.prepared.units)} FSDP units on mesh {self.mesh_shape}")
@@ -158,7 +165,7 @@ class ShardedRuntime:
     def quantized_base(self) -> Optional[QuantizedBase]:
         return self.prepared.quantized
 
-    # -- checkpoints -----------------------------------------------------------------------------------------------------
+    # -- checkpoints ---------------------------------------------------------------------------------------------------
     def save(
         self,
         checkpoint: dict[str, Any],
@@ -169,7 +176,8 @@ class ShardedRuntime:
     ) -> None:
         """Describe the HF model, leave out the frozen base (recording where it comes from), then save."""
         annotate_checkpoint(checkpoint, model, self.pretrained_base, not full, self.quantized_base)
-        self.checkpointer.save(checkpoint, path, mesh_shape=mesh_shape, full=full)
+        with worded_for(self.wording):
+            self.checkpointer.save(checkpoint, path, mesh_shape=mesh_shape, full=full)
 
     def load(
         self,
@@ -181,14 +189,30 @@ class ShardedRuntime:
     ) -> dict[str, Any]:
         """Load into the sharded ``model`` and ``optimizers``, reading the frozen base from the files the
         checkpoint names when this run did not load them; returns the rest of the checkpoint."""
-        return self.checkpointer.load(
-            path,
-            model=model,
-            optimizers=optimizers,
-            strict=strict,
-            resolve_base=lambda reference: resolve_base(model, reference, self.pretrained_base),
-            model_entries=model_entries,
-        )
+        with worded_for(self.wording):
+            return self.checkpointer.load(
+                path,
+                model=model,
+                optimizers=optimizers,
+                strict=strict,
+                resolve_base=lambda reference: resolve_base(model, reference, self.pretrained_base),
+                model_entries=model_entries,
+            )
+
+    def load_raw(self, path: Path, module: nn.Module, strict: bool, key_map: Optional[Mapping[str, str]]) -> None:
+        """Weights only, into the sharded ``module``: one of our checkpoint directories, a safetensors file or HF
+        directory (each rank reads its rows), or a full state-dict file."""
+        from lightning_fsdp.checkpoint import load_pretrained
+        from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME
+        from lightning_fsdp.hf.load import is_safetensors_source, load_safetensors
+
+        with worded_for(self.wording):
+            if path.is_dir() and (path / MANIFEST_NAME).exists():
+                self.checkpointer.load(path, model=module, optimizers=(), strict=strict)
+            elif is_safetensors_source(path):
+                load_safetensors(module, path, strict=strict, key_map=key_map)
+            else:
+                load_pretrained(module, path, strict=strict)
 
     def teardown(self) -> None:
         self.checkpointer.finalize()

@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_fsdp import _lightning_compat as compat
 from lightning_fsdp.checkpoint.checkpointer import check_state_dict_type
+from lightning_fsdp.fixes import FixWording
 from lightning_fsdp.memory import StateBytes, local_state_bytes
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
@@ -43,6 +44,12 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 StateDictType = Literal["sharded", "full"]
+#: how errors from below tell a Trainer user what to change
+TRAINER_WORDING = FixWording(
+    load_matching_keys="set `strict_loading = False` on the LightningModule",
+    start_fresh="pass ckpt_path=None",
+    clip_gradients="enable gradient clipping (`gradient_clip_val`)",
+)
 
 
 class FSDPCustomStrategy(RuntimeHolder, MeshStrategy):
@@ -115,7 +122,7 @@ class FSDPCustomStrategy(RuntimeHolder, MeshStrategy):
         self.mixed_precision = mixed_precision  # read by the precision_plugin setter during super().__init__
         self.runtime = ShardedRuntime(process_group.as_timedelta(timeout), skip_nonfinite_steps=skip_nonfinite_steps,
                                       max_nonfinite_steps=max_nonfinite_steps, async_save=bool(async_save),
-                                      verify_before_load=bool(verify_before_load))
+                                      verify_before_load=bool(verify_before_load), wording=TRAINER_WORDING)
         super().__init__(
             self.runtime,
             replicate_size=replicate_size,

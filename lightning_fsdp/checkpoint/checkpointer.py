@@ -29,6 +29,7 @@ from lightning_fsdp.checkpoint.base_weights import BaseResolver
 from lightning_fsdp.checkpoint.checksums import kind_of
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.sharded import SAVE_HINT, StagedSave, agreed
+from lightning_fsdp.fixes import current_wording
 from lightning_fsdp.parallel.collectives import broadcast_object, is_distributed, on_rank_zero, rank, world_size
 from lightning_fsdp.parallel.mesh import MeshShape
 
@@ -228,7 +229,7 @@ class Checkpointer:
             if path.exists():
                 raise CheckpointError(f"{path} is {kind_of(os.stat(path).st_mode)}, not a checkpoint; refusing to read it.")
             raise CheckpointError(
-                f"Checkpoint {path} does not exist. Check the path (or pass ckpt_path=None to start fresh)."
+                f"Checkpoint {path} does not exist. Check the path (or {current_wording().start_fresh} to start fresh)."
             )
 
         kind = broadcast_object(agreed(on_rank_zero(detect), f"Loading checkpoint {path}"))

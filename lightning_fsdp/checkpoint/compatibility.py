@@ -17,6 +17,7 @@ from typing import Literal, Union
 import torch
 
 from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.fixes import current_wording
 from lightning_fsdp.formatting import short_list
 
 Described = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -54,8 +55,7 @@ def check_fits(
     unexpected = sorted(set(saved) - set(current))
     if strict and (missing or unexpected):
         fix = missing_fix or (
-            "Load the checkpoint of this model, or set `strict_loading = False` on the LightningModule to load the"
-            " keys that match."
+            f"Load the checkpoint of this model, or {current_wording().load_matching_keys} to load the keys that match."
         )
         raise CheckpointError(
             f"{where} does not match the {what}: missing keys {short_list(missing)}, unexpected keys"

@@ -30,6 +30,7 @@ from lightning_fsdp.checkpoint.checksums import (
     require_regular,
 )
 from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.fixes import current_wording
 
 MANIFEST_NAME = "manifest.json"
 META_NAME = "meta.pt"
@@ -280,7 +281,7 @@ def read_manifest(path: Path) -> Manifest:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(
-            f"Checkpoint {path} does not exist. Check the path, or pass ckpt_path=None to start fresh."
+            f"Checkpoint {path} does not exist. Check the path, or {current_wording().start_fresh} to start fresh."
         )
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file, not a sharded checkpoint directory.")

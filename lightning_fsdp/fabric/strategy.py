@@ -35,6 +35,7 @@ from typing_extensions import override
 from lightning_fsdp import _lightning_compat as compat
 from lightning_fsdp.fabric.checkpoint import FabricState, restore_entries, to_checkpoint
 from lightning_fsdp.fabric.precision import FSDP2FabricPrecision
+from lightning_fsdp.fixes import FixWording
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.parallel.grad_norm import clip_grad_norm_
@@ -45,6 +46,14 @@ from lightning_fsdp.resilience.report import on_uncaught
 from lightning_fsdp.runtime import RuntimeHolder, ShardedRuntime
 from lightning_fsdp.sharding import WrapPolicy, parameters_on_meta
 from lightning_fsdp.sharding.compile import CompileArg
+
+
+#: how errors from below tell a Fabric user what to change
+FABRIC_WORDING = FixWording(
+    load_matching_keys="pass `strict=False` to `fabric.load` or `fabric.load_raw`",
+    start_fresh="do not call `fabric.load`",
+    clip_gradients="clip them (`fabric.clip_gradients`)",
+)
 
 
 class _RelayedFabricLauncher(RelayedLaunch, compat.FabricSubprocessScriptLauncher):
@@ -122,7 +131,7 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
         self.pretrained_key_map = dict(pretrained_key_map) if pretrained_key_map else None
         self.model_options()  # invalid policies fail now, before any process starts
         self.num_nodes = 1
-        self.runtime = ShardedRuntime(process_group.as_timedelta(timeout))
+        self.runtime = ShardedRuntime(process_group.as_timedelta(timeout), wording=FABRIC_WORDING)
         #: failures between ranks, as under the Trainer: the relay, preemption signals, named collective timeouts
         self.resilience = self.runtime.resilience
         self._process_group_backend = process_group_backend
@@ -274,7 +283,7 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
         our checkpoint directories, into the sharded model."""
         path = Path(self.broadcast(str(path)))
         if isinstance(state, Module):
-            self.load_raw_module(path, state, strict)
+            self.runtime.load_raw(path, state, strict, self.pretrained_key_map)
             return {}
         if not isinstance(state, dict) or not state:
             raise ValueError(
@@ -286,18 +295,6 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
         optimizers = list(fabric_state.optimizers.values())
         rest = self.runtime.load(path, model, optimizers, strict)
         return restore_entries(fabric_state, state, rest, path, strict)
-
-    def load_raw_module(self, path: Path, module: Module, strict: bool) -> None:
-        from lightning_fsdp.checkpoint import load_pretrained
-        from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME
-        from lightning_fsdp.hf.load import is_safetensors_source, load_safetensors
-
-        if path.is_dir() and (path / MANIFEST_NAME).exists():
-            self.checkpointer.load(path, model=module, optimizers=(), strict=strict)
-        elif is_safetensors_source(path):
-            load_safetensors(module, path, strict=strict, key_map=self.pretrained_key_map)
-        else:
-            load_pretrained(module, path, strict=strict)
 
     @override
     def teardown(self) -> None:

@@ -39,6 +39,7 @@ from lightning_fsdp._torch_compat import hf_storage_info
 from lightning_fsdp.checkpoint.compatibility import check_fits, describe
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.sharded import agreed, read_into
+from lightning_fsdp.fixes import current_wording
 from lightning_fsdp.formatting import short_list
 from lightning_fsdp.hf.conversion import Conversion, FusedTensor, conversion_for, hf_model_in
 from lightning_fsdp.hf.directory import SUFFIX, HFDirectory
@@ -119,8 +120,8 @@ def plan_load(
     where = f"Pretrained weights {directory.root}"
     current = describe({k: model_tensors[k] for k in file_key_of})
     fix = (
-        f"The keys were matched with {layout.describe()}; pass `pretrained_key_map` to match them differently, or set"
-        " `strict_loading = False` on the LightningModule to load the keys that match."
+        f"The keys were matched with {layout.describe()}; pass `pretrained_key_map` to match them differently, or"
+        f" {current_wording().load_matching_keys} to load the keys that match."
     )
     if strict and (missing or unexpected):
         raise CheckpointError(

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
 import torch
 import torch.distributed as dist
 
+from lightning_fsdp.fixes import FixWording
 from lightning_fsdp.parallel.collectives import is_distributed
 from lightning_fsdp.parallel.grad_norm import StepGradNorm
 from lightning_fsdp.parallel.process_group import apply_timeout
@@ -90,11 +91,12 @@ class Resilience:
         skip_nonfinite_steps: bool,
         max_nonfinite_steps: int,
         grad_norm: Optional[StepGradNorm] = None,
+        wording: Optional[FixWording] = None,
     ) -> None:
         self.timeout = timeout
         self.relay = FailureRelay()
         self.preemption = Preemption(failing=lambda: self.relay.handling is not None)
-        guard = NonFiniteGuard(max_nonfinite_steps, grad_norm)  # validates max_nonfinite_steps either way
+        guard = NonFiniteGuard(max_nonfinite_steps, grad_norm, wording)  # validates max_nonfinite_steps either way
         self.nonfinite = guard if skip_nonfinite_steps else None
 
     @property

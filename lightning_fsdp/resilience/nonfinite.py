@@ -8,18 +8,20 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_fsdp.fixes import FixWording, current_wording
 from lightning_fsdp.parallel.collectives import is_distributed, rank
 from lightning_fsdp.parallel.grad_norm import StepGradNorm
 from lightning_fsdp.resilience.errors import NonFiniteStepsError
 from lightning_fsdp.resilience.report import say
 
 
-def nonfinite_message(consecutive: int, limit: int, step: int, detail: str) -> str:
+def nonfinite_message(consecutive: int, limit: int, step: int, detail: str, clip_gradients: str) -> str:
     return (
         f"{consecutive} consecutive optimizer steps had a non-finite loss or gradient norm (limit"
         f" max_nonfinite_steps={limit}; last at global step {step}: {detail}); every rank skipped them, and training"
-        " is stopped now rather than continuing without progress. Lower the learning rate, enable gradient clipping"
-        " (`gradient_clip_val`), use bf16 rather than fp16, check the data for NaN/inf, or raise `max_nonfinite_steps`."
+        f" is stopped now rather than continuing without progress. Lower the learning rate,"
+        f" {clip_gradients}, use bf16 rather than fp16, check the data for NaN/inf, or raise"
+        " `max_nonfinite_steps`."
     )
 
 
@@ -30,11 +32,14 @@ class NonFiniteGuard:
     is computed once per step. The check costs one small all-reduce and one host transfer (the agreed flags).
     """
 
-    def __init__(self, max_consecutive: int, grad_norm: Optional[StepGradNorm] = None) -> None:
+    def __init__(
+        self, max_consecutive: int, grad_norm: Optional[StepGradNorm] = None, wording: Optional[FixWording] = None
+    ) -> None:
         if max_consecutive < 1:
             raise ValueError(f"`max_nonfinite_steps` must be >= 1, got {max_consecutive}.")
         self.max_consecutive = max_consecutive
         self.grad_norm = grad_norm or StepGradNorm()
+        self.wording = wording or current_wording()  # the front end's: the check runs inside its step
         self.skipped = 0
         self.consecutive = 0
 
@@ -89,5 +94,7 @@ class NonFiniteGuard:
         if rank() == 0:
             say(f"skipped optimizer step at global step {step} on every rank: {detail} (so far: {self.skipped})")
         if self.consecutive >= self.max_consecutive:
-            raise NonFiniteStepsError(nonfinite_message(self.consecutive, self.max_consecutive, step, detail))
+            raise NonFiniteStepsError(
+                nonfinite_message(self.consecutive, self.max_consecutive, step, detail, self.wording.clip_gradients)
+            )
         return True
