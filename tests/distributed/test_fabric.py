@@ -61,7 +61,7 @@ def model_files(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def reference(model_files, tmp_path_factory) -> dict[str, Any]:
     """One process, Fabric's default strategy, the whole global batch per step."""
-    spec = {**BASE, **model_files, "devices": 1, "strategy": "auto", "runs": [{"name": "reference"}]}
+    spec = {**BASE, **model_files, "devices": 1, "strategy": "auto", "runs": [{"name": "reference", "average": 0.5}]}
     return fabric_job(spec, tmp_path_factory.mktemp("reference"), "reference")["reference"]
 
 
@@ -70,7 +70,7 @@ def two_ranks(model_files, tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("two")
     checkpoint = str(root / "ckpt" / "step2.ckpt")
     runs = [
-        {"name": "straight", "save_at": 2, "save": checkpoint},
+        {"name": "straight", "save_at": 2, "save": checkpoint, "average": 0.5},
         {"name": "resumed", "joint_setup": True, "resume": checkpoint, "damaged": checkpoint},
         {"name": "accumulated", "accumulate": 2},
         {"name": "from_hf_dir", "raw": model_files["model_dir"]},
@@ -84,6 +84,18 @@ def two_ranks(model_files, tmp_path_factory) -> dict[str, Any]:
 
 def test_two_ranks_equal_one_process(two_ranks, reference):
     assert_same_run(two_ranks["straight"], reference)
+
+
+def test_sharded_average_in_a_fabric_loop_equals_one_process(two_ranks, reference):
+    """``ShardedAverage`` without a Trainer: each rank averages its own shards (half the bytes each), and the
+    average swapped into the model equals the one-process average."""
+    run = two_ranks["straight"]
+    ours, expected = (torch.load(r["average_path"], weights_only=True) for r in (run, reference))
+    assert ours.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(ours[key], value, msg=lambda m, key=key: f"{key}: {m}")
+    assert len(run["average_bytes"]) == 2 and max(run["average_bytes"]) <= 0.51 * sum(run["average_bytes"])
+    assert any(not torch.equal(ours[k], run["params"][k]) for k in ours)  # an average, not the last weights
 
 
 def test_load_raw_of_the_hf_directory_equals_load_raw_of_the_full_state_file(two_ranks):

@@ -6,7 +6,8 @@
 ``AutoModelForCausalLM.from_config`` under ``fabric.init_module(empty_init=...)``, starts from
 ``fabric.load_raw(<full state file>)`` or resumes with ``fabric.load``, trains on rank ``r``'s slice of fixed global
 batches (``self.model(input_ids=x).logits``, cross-entropy, ``fabric.backward``, ``fabric.clip_gradients``), and
-rank 0 writes the losses, gradient norms, the gathered final parameters and what each rank held.
+rank 0 writes the losses, gradient norms, the gathered final parameters and what each rank held. With
+``"average"``, a ``lightning_fsdp.ShardedAverage`` follows the weights too, as a Fabric user keeps an EMA.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import lightning_fsdp  # noqa: F401 - registers the strategy names for Fabric
+import lightning_fsdp  # registers the strategy names for Fabric
 
 
 class ReduceScatterCounter:
@@ -60,6 +61,10 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in get_model_state_dict(model, options=options).items()}
 
 
+def plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
 def one_run(fabric: L.Fabric, spec: dict[str, Any], run: dict[str, Any], counter: ReduceScatterCounter) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -83,6 +88,7 @@ def one_run(fabric: L.Fabric, spec: dict[str, Any], run: dict[str, Any], counter
     else:  # a full state-dict file, or (``raw``) any other source load_raw takes, e.g. the HF directory
         fabric.load_raw(run.get("raw", spec["raw_state"]), model)
     data = batches(spec, config.vocab_size)
+    average = lightning_fsdp.ShardedAverage(decay=run["average"]) if run.get("average") else None
     world, rank = fabric.world_size, fabric.global_rank
     per_rank = spec["global_batch"] // world
     accumulate = run.get("accumulate", 1)
@@ -98,6 +104,8 @@ def one_run(fabric: L.Fabric, spec: dict[str, Any], run: dict[str, Any], counter
         result["norms"].append(float(fabric.clip_gradients(model, optimizer, max_norm=spec["clip"])))
         optimizer.step()
         optimizer.zero_grad()
+        if average is not None:
+            average.update(model)
         result["losses"].append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
         if run.get("raise_rank") == rank:
             raise RuntimeError(f"a bug on rank {rank} at step {step}")
@@ -111,11 +119,19 @@ def one_run(fabric: L.Fabric, spec: dict[str, Any], run: dict[str, Any], counter
             break
     result["local_bytes"] = fabric.all_gather(torch.tensor(local_bytes(model))).flatten().tolist()
     result["full_bytes"] = sum(p.numel() * p.element_size() for p in full_state(model).values()) if sharded else None
-    params = full_state(model) if sharded else {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    params = full_state(model) if sharded else plain_state(model)
+    if average is not None:  # the model holds the average while it is evaluated, then its own weights again
+        average.swap(model)
+        averaged = full_state(model) if sharded else plain_state(model)
+        average.swap(model)
+        result["average_bytes"] = fabric.all_gather(torch.tensor(average.average_bytes())).flatten().tolist()
     if rank == 0:
         path = Path(spec["out"]).with_suffix(f".{run['name']}.pt")
         torch.save(params, path)
         result["params_path"] = str(path)
+        if average is not None:
+            torch.save(averaged, path.with_suffix(".average.pt"))
+            result["average_path"] = str(path.with_suffix(".average.pt"))
     if run.get("damaged"):  # last: a refused load may have restored some entries already
         result["refusals"] = refusal(fabric, run["damaged"], model, optimizer)
     return result
