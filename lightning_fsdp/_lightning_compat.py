@@ -18,7 +18,6 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as FabricSubprocessScriptLauncher,
 )
 from lightning.fabric.strategies.strategy import _BackwardSyncControl as FabricBackwardSyncControl
-from lightning.fabric.utilities.distributed import _distributed_is_initialized as distributed_is_initialized
 from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
@@ -48,7 +47,6 @@ __all__ = [
     "SubprocessScriptLauncher",
     "attached_trainer",
     "batches_processed",
-    "distributed_is_initialized",
     "give_module_device_mesh",
     "init_dist_connection",
     "optimizers_to_device",

@@ -20,11 +20,9 @@ import signal
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.strategies import ParallelStrategy
-from lightning.fabric.utilities.distributed import group as lightning_group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
@@ -36,6 +34,7 @@ from lightning_fsdp import _lightning_compat as compat
 from lightning_fsdp.fabric.checkpoint import FabricState, restore_entries, to_checkpoint
 from lightning_fsdp.fabric.precision import FSDP2FabricPrecision
 from lightning_fsdp.fixes import FixWording
+from lightning_fsdp.parallel import collectives
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.parallel.grad_norm import clip_grad_norm_
@@ -239,21 +238,12 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
     @override
     @collective("barrier")
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not compat.distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        collectives.barrier(self.root_device)
 
     @override
     @collective("broadcast(src={src})")
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not compat.distributed_is_initialized():
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src, group=lightning_group.WORLD)
-        return holder[0]
+        return collectives.broadcast_object(obj, src)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
     @override

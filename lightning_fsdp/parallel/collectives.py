@@ -41,8 +41,19 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
+def barrier(device: torch.device) -> None:
+    """Every rank waits here for the others (nccl needs the device this rank computes on)."""
+    if not is_distributed():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
 def broadcast_object(obj: T, src: int = 0, group: Optional[dist.ProcessGroup] = None) -> T:
-    """Rank ``src``'s value on every rank. Only for this package's own plain data (it is pickled)."""
+    """Rank ``src``'s value on every rank. Pickled: only for values the ranks produced themselves (the package's
+    plain data, a strategy's ``broadcast``), never for bytes read from a file."""
     if not is_distributed():
         return obj
     holder = [obj]

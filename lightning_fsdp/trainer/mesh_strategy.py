@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-import torch.distributed as dist
-from lightning.fabric.utilities.distributed import group as lightning_group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -20,6 +18,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_fsdp import _lightning_compat as compat
+from lightning_fsdp.parallel import collectives
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.parallel.placement import MeshPlacement
@@ -90,21 +89,12 @@ class MeshStrategy(MeshPlacement, ParallelStrategy):
     @override
     @collective("barrier({name!r})")
     def barrier(self, name: Optional[str] = None) -> None:
-        if not compat.distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        collectives.barrier(self.root_device)
 
     @override
     @collective("broadcast (from rank {src})")
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not compat.distributed_is_initialized():
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src, group=lightning_group.WORLD)
-        return holder[0]
+        return collectives.broadcast_object(obj, src)
 
     @override
     @collective("all_reduce ({reduce_op})")
