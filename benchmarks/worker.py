@@ -40,8 +40,8 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 import lightning_fsdp  # noqa: E402,F401  (registers the strategy names)
 import lightning_fsdp.checkpoint  # noqa: E402,F401
 import lightning_fsdp.resilience  # noqa: E402,F401
+from lightning_fsdp import MemoryReport  # noqa: E402
 from lightning_fsdp.memory import (  # noqa: E402
-    MemoryReport,
     current_rss,
     global_state_bytes,
     local_state_bytes,
