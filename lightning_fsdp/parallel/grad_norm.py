@@ -6,7 +6,8 @@ gradient is replicated and counted once. Per group: one fused local reduction (`
 and one all-reduce; the result stays on the device, so neither the norm nor clipping forces a host sync.
 
 :class:`StepGradNorm` computes the norm at most once per optimizer step, so gradient clipping and the non-finite
-step check share it.
+step check share it. Gradients changed in place through :func:`scale_gradients_` or :func:`clip_grad_norm_` (a
+token-weighted loss normalising them, the scaler unscaling them) make that shared norm stale, so it is recomputed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,8 @@ from lightning_fsdp._torch_compat import foreach_mul_
 
 #: added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does
 CLIP_EPS = 1e-6
+#: counts in-place edits of gradients made here; a norm computed before an edit is stale after it
+_gradient_edits = 0
 
 
 def _grad_groups(parameters: Iterable[Tensor]) -> tuple[list[Tensor], dict[tuple[Any, tuple[int, ...]], list[Tensor]]]:
@@ -74,6 +77,24 @@ def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Ten
     return total.to(torch.float32)
 
 
+def _scale_in_place(params: list[Tensor], factor: Tensor) -> None:
+    global _gradient_edits
+    replicated, sharded = _grad_groups(params)
+    by_device: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in replicated + [t for grads in sharded.values() for t in grads]:
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    with torch.no_grad():
+        for (device, dtype), grads in by_device.items():
+            foreach_mul_(grads, factor.to(device=device, dtype=dtype))
+    _gradient_edits += 1
+
+
+def scale_gradients_(parameters: Iterable[Tensor], factor: Union[Tensor, float]) -> None:
+    """Multiply every gradient (local shards of sharded ones) by ``factor`` in place, fused per device and dtype;
+    a 0-d tensor factor stays on its device (no host sync)."""
+    _scale_in_place(list(parameters), torch.as_tensor(factor, dtype=torch.float32))
+
+
 def clip_grad_norm_(
     parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, total_norm: Optional[Tensor] = None
 ) -> Tensor:
@@ -82,13 +103,7 @@ def clip_grad_norm_(
     params = list(parameters)
     total = total_grad_norm(params, norm_type) if total_norm is None else total_norm
     coef = torch.clamp(max_norm / (total + CLIP_EPS), max=1.0)
-    replicated, sharded = _grad_groups(params)
-    by_device: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for g in replicated + [t for grads in sharded.values() for t in grads]:
-        by_device.setdefault((g.device, g.dtype), []).append(g)
-    with torch.no_grad():
-        for (device, dtype), grads in by_device.items():
-            foreach_mul_(grads, coef.to(device=device, dtype=dtype))
+    _scale_in_place(params, coef)
     return total
 
 
@@ -104,6 +119,7 @@ class StepGradNorm:
         self._active = False
         self._norm: Optional[Tensor] = None
         self._norm_type: Optional[float] = None
+        self._edits = -1  # the gradient edits counted when the norm was computed
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -117,9 +133,10 @@ class StepGradNorm:
         self._norm = None
 
     def get(self, parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
-        if self._active and self._norm is not None and self._norm_type == float(norm_type):
+        fresh = self._edits == _gradient_edits
+        if self._active and self._norm is not None and self._norm_type == float(norm_type) and fresh:
             return self._norm
         norm = total_grad_norm(parameters, norm_type)
         if self._active:
-            self._norm, self._norm_type = norm, float(norm_type)
+            self._norm, self._norm_type, self._edits = norm, float(norm_type), _gradient_edits
         return norm

@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("lightning internals", {"_lightning_compat"}),  # over torch's: the root-gather redirection
     ("parallel", {"parallel"}),
     ("precision", {"precision"}),
+    ("loss", {"loss"}),  # the token-weighted loss: any module, either front end
     ("sharding", {"sharding"}),
     ("memory", {"memory"}),
     ("checkpoint", {"checkpoint"}),
