@@ -2,8 +2,14 @@
 
 - :class:`TextCorpusDataModule`: byte-level LM text from the docstrings of Python's own standard library.
 - :class:`ShapesDataModule`: generated images of four shapes, for the CNN.
+- :class:`SFTDataModule`: the user's own fine-tuning data (chat, instruction, prompt/completion or text files)
+  with the model's own tokenizer, packed or padded (:mod:`lightning_fsdp.data.sft`).
+
+Every training loader yields the global order of :mod:`lightning_fsdp.data.order`, and resumes mid-epoch.
 """
 
+from lightning_fsdp.data.order import GlobalOrderLoader, GlobalOrderSampler
+from lightning_fsdp.data.sft import SFTDataModule
 from lightning_fsdp.data.shapes import SHAPES, ShapesDataModule, SyntheticShapes
 from lightning_fsdp.data.text import (
     VOCAB_SIZE,
@@ -17,6 +23,9 @@ from lightning_fsdp.data.text import (
 )
 
 __all__ = [
+    "GlobalOrderLoader",
+    "GlobalOrderSampler",
+    "SFTDataModule",
     "SHAPES",
     "VOCAB_SIZE",
     "ShapesDataModule",

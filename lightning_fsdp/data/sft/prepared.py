@@ -1,0 +1,184 @@
+"""Tokenize once, keep on disk: the prepared form of a fine-tuning data set, keyed by what it depends on.
+
+The key covers the data files' bytes, the tokenizer (its vocabulary and merges, special tokens, chat template) and
+every setting that changes a token (format, ``train_on``, ``seq_len``, ``long_samples``, the split, packing). One
+process prepares it (Lightning's ``prepare_data``: local rank 0, with a progress bar) into a hidden folder that is
+renamed into place when complete; every rank then memory-maps the Arrow files, so no rank holds a copy in RAM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from lightning_fsdp.data.sft.encoding import RowEncoder, Status
+from lightning_fsdp.data.sft.packing import first_fit_decreasing
+from lightning_fsdp.data.sft.source import content_digest, data_files, load_source
+from lightning_fsdp.formatting import format_count as count
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PreparedSet", "Recipe", "describe", "prepare", "tokenizer_identity"]
+
+#: bump when the way rows become tokens changes, so old caches are not reused
+ENCODING_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything besides the tokenizer that decides the prepared tokens."""
+
+    path: str
+    val_path: Optional[str]
+    val_fraction: float
+    seed: int
+    fmt: str
+    train_on: str
+    chat_template: Optional[str]
+    seq_len: int
+    long_samples: str
+    packing: bool
+
+
+def tokenizer_identity(tokenizer: Any) -> str:
+    """A digest of what makes a tokenizer tokenize the way it does."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = [
+        type(tokenizer).__name__,
+        backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True),
+        json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str),
+        str(getattr(tokenizer, "chat_template", None)),
+        str(getattr(tokenizer, "add_bos_token", None)),
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+def cache_key(recipe: Recipe, tokenizer: Any) -> str:
+    files = data_files(recipe.path) + (data_files(recipe.val_path) if recipe.val_path else [])
+    return content_digest(files, {"recipe": {**asdict(recipe), "path": None, "val_path": None},
+                                  "tokenizer": tokenizer_identity(tokenizer), "version": ENCODING_VERSION})
+
+
+@dataclass
+class PreparedSet:
+    """A prepared directory, opened: the tokenized splits (memory-mapped), packing plans and counts."""
+
+    root: Path
+    train: Any
+    val: Any
+    val_source: Any
+    train_bins: Optional[list[list[int]]]
+    val_bins: Optional[list[list[int]]]
+    stats: dict[str, Any]
+
+    @classmethod
+    def open(cls, root: Path) -> PreparedSet:
+        import datasets
+
+        stats = json.loads((root / "stats.json").read_text())
+        bins = {split: _read_bins(root / f"{split}_bins.npz") for split in ("train", "val")}
+        return cls(root, datasets.load_from_disk(str(root / "train")), datasets.load_from_disk(str(root / "val")),
+                   datasets.load_from_disk(str(root / "val_source")), bins["train"], bins["val"], stats)
+
+
+def describe(stats: dict[str, Any]) -> str:
+    """The counts a user should see once: what was kept, truncated and dropped, per split."""
+    lines = []
+    for split in ("train", "val"):
+        s = stats[split]
+        rows = f", packed into {count(s['rows'])} rows" if s.get("rows") is not None else ""
+        lines.append(f"{split}: {count(s['samples'])} samples ({describe_split(s)}), {count(s['tokens'])} tokens{rows}")
+    return "; ".join(lines)
+
+
+def prepare(recipe: Recipe, encoder: RowEncoder, cache_root: Path, num_proc: Optional[int] = None) -> Path:
+    """The prepared directory for ``recipe`` under ``cache_root``, built here if it is not there yet."""
+    root = cache_root / f"sft-{cache_key(recipe, encoder.tokenizer)}"
+    if (root / "stats.json").exists():
+        return root
+    tmp = cache_root / f".{root.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        train_source, val_source = _splits(recipe, cache_root / "sources")
+        stats: dict[str, Any] = {}
+        for split, source in (("train", train_source), ("val", val_source)):
+            tokenized = source.map(
+                encoder.encode_batch, batched=True, remove_columns=source.column_names, num_proc=num_proc,
+                desc=f"Tokenizing {split}", cache_file_name=str(tmp / f"{split}-all.arrow"),
+                new_fingerprint=f"{root.name}-{split}-all",
+            )
+            statuses = np.asarray(tokenized["status"], dtype=np.int64)
+            kept = tokenized.select(np.flatnonzero(statuses <= Status.TRUNCATED).tolist())
+            counts = np.bincount(statuses, minlength=len(Status.NAMES))
+            stats[split] = {"samples": len(source), "tokens": int(np.asarray(kept["length"]).sum()) if len(kept) else 0,
+                            **{name: int(counts[code]) for code, name in Status.NAMES.items()}}
+            if split == "train" and len(kept) == 0:
+                raise ValueError(f"No training sample is left after filtering: {describe_split(stats[split])}. "
+                                 + _empty_hint(recipe))
+            kept.save_to_disk(str(tmp / split))
+            if recipe.packing:
+                bins = first_fit_decreasing(np.asarray(kept["length"]).tolist(), recipe.seq_len) if len(kept) else []
+                _write_bins(tmp / f"{split}_bins.npz", bins)
+                stats[split]["rows"] = len(bins)
+        val_source.save_to_disk(str(tmp / "val_source"))
+        for leftover in tmp.glob("*-all.arrow"):
+            leftover.unlink()
+        (tmp / "stats.json").write_text(json.dumps({**stats, "recipe": asdict(recipe)}, indent=2))
+        try:
+            os.replace(tmp, root)
+        except OSError:  # another node's process finished first: theirs is the same
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("Prepared %s: %s", root, describe(json.loads((root / "stats.json").read_text())))
+    return root
+
+
+def describe_split(s: dict[str, Any]) -> str:
+    """``"12 kept, 1 truncated"``: the non-zero counts of one split."""
+    return ", ".join(f"{count(s[name])} {name}" for name in Status.NAMES.values() if s.get(name)) or "none"
+
+
+def _empty_hint(recipe: Recipe) -> str:
+    if recipe.long_samples == "drop":
+        return f"Raise seq_len={recipe.seq_len} or pass long_samples='truncate'."
+    return (f"Check train_on={recipe.train_on!r} against the data (a conversation without an assistant turn has"
+            " nothing to train) and format=.")
+
+
+def _splits(recipe: Recipe, sources_cache: Path) -> tuple[Any, Any]:
+    source = load_source(recipe.path, sources_cache)
+    if recipe.val_path:
+        return source, load_source(recipe.val_path, sources_cache)
+    if recipe.val_fraction <= 0:
+        return source, source.select([])
+    split = source.train_test_split(test_size=recipe.val_fraction, seed=recipe.seed, shuffle=True)
+    return split["train"], split["test"]
+
+
+def _write_bins(path: Path, bins: Sequence[Sequence[int]]) -> None:
+    sizes = np.asarray([len(b) for b in bins], dtype=np.int64)
+    flat = np.asarray([i for b in bins for i in b], dtype=np.int64)
+    with path.open("wb") as f:
+        np.savez(f, sizes=sizes, flat=flat)
+
+
+def _read_bins(path: Path) -> Optional[list[list[int]]]:
+    if not path.exists():
+        return None
+    with np.load(path) as data:
+        ends = np.cumsum(data["sizes"])
+        flat = data["flat"].tolist()
+    starts = np.concatenate([[0], ends[:-1]]).tolist() if len(ends) else []
+    return [flat[s:e] for s, e in zip(starts, ends.tolist())]
