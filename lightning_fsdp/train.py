@@ -36,6 +36,7 @@ from lightning_fsdp.train_config import (  # noqa: F401 - part of this command's
     accepted_arguments,
     check_init_args,
     check_mesh,
+    ensure_demo_data,
     ensure_pretrained,
     instantiate_group,
     validate_config,
@@ -65,6 +66,7 @@ def run(cfg: DictConfig, *, is_launcher: bool = True) -> dict[str, Any]:
 
     validate_config(cfg)
     if is_launcher:
+        ensure_demo_data(cfg)
         ensure_pretrained(cfg)
     if cfg.get("seed") is not None:
         L.seed_everything(int(cfg.seed), workers=True)

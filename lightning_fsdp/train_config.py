@@ -148,6 +148,17 @@ def _tensorboard_available() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ("tensorboard", "tensorboardX"))
 
 
+def ensure_demo_data(cfg: DictConfig) -> Optional[Path]:
+    """``demo_data: DIR`` writes the generated chat data set and its trained tokenizer there if missing (the
+    ``finetune_hf_chat`` experiment), before the model that takes the tokenizer's vocabulary is written."""
+    target = cfg.get("demo_data")
+    if not target:
+        return None
+    from lightning_fsdp.data.sft.demo import write_chat_demo
+
+    return write_chat_demo(Path(str(target)))
+
+
 def ensure_pretrained(cfg: DictConfig) -> Optional[Path]:
     """Make sure ``strategy.pretrained_weights`` exists before any process starts.
 

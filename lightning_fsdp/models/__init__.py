@@ -4,6 +4,7 @@ Both are ordinary LightningModules; neither imports the strategy. :data:`PRESETS
 other tools (benchmarks, the memory planner) build a decoder of a given size.
 """
 
+from lightning_fsdp.models.answers import HeldOutAnswers
 from lightning_fsdp.models.cnn import ConvBlock, ShapesCNN, average_batchnorm_stats
 from lightning_fsdp.models.gpt import GPT, GPTLightningModule, TransformerBlock
 from lightning_fsdp.models.gpt_config import PRESETS, GPTConfig, config_with_params, count_params, get_preset
@@ -16,6 +17,7 @@ __all__ = [
     "GPTConfig",
     "GPTLightningModule",
     "HFCausalLM",
+    "HeldOutAnswers",
     "ShapesCNN",
     "TransformerBlock",
     "average_batchnorm_stats",

@@ -5,8 +5,12 @@ with parameters on the meta device, and the strategy's ``pretrained_weights=<the
 shards straight from the safetensors files. ``lora={...}`` wraps it with PEFT (``LoraConfig`` arguments); only the
 adapters train. ``from_pretrained=True`` loads the weights with transformers instead (one process, or a reference).
 
-Batches are ``(input_ids, targets)`` pairs of the same length (the package's text DataModules give them): the loss
-is the mean next-token cross entropy.
+Batches are either dicts from :class:`~lightning_fsdp.data.SFTDataModule` (``input_ids``, ``labels`` aligned with
+them and ``-100`` where nothing is trained, and ``position_ids`` for packed rows or ``attention_mask`` for padded
+ones), or ``(input_ids, targets)`` pairs of next-token targets (the byte-level text DataModules). Either way the
+step's gradient is that of Σ token losses / Σ target tokens over every micro-batch on every rank
+(:class:`~lightning_fsdp.loss.TokenWeightedLoss`), and ``train_loss`` is that per-token mean. Validation logs the
+per-token ``val_loss``, its perplexity ``val_ppl`` and ``val_token_accuracy`` (argmax = label on trained tokens).
 """
 
 from __future__ import annotations
@@ -17,8 +21,14 @@ from typing import Any, Optional, Union
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lightning_fsdp.loss import TokenWeightedLoss, causal_lm_token_loss, gradient_divisor
+
+#: attention implementations that keep packed samples apart from restarting ``position_ids`` alone
+PACKING_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 __all__ = ["HFCausalLM"]
 
@@ -33,6 +43,8 @@ class HFCausalLM(L.LightningModule):
         from_pretrained: load the weights in ``configure_model`` with ``AutoModelForCausalLM.from_pretrained``
             (without a sharded strategy's ``pretrained_weights``).
         lr, weight_decay, betas: AdamW over the trainable parameters.
+        tokenizer: the tokenizer the data is encoded with (a directory); checked to fit the model's embedding
+            when the module is made, before any process starts.
     """
 
     def __init__(
@@ -43,10 +55,16 @@ class HFCausalLM(L.LightningModule):
         lr: float = 1e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
+        tokenizer: Optional[Union[str, Path]] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model: Optional[torch.nn.Module] = None
+        if tokenizer is not None:
+            _check_tokenizer_fits(Path(tokenizer), Path(model_dir))
+        self.token_loss = TokenWeightedLoss()
+        self.val_loss_metric = MeanMetric()
+        self.val_accuracy_metric = MeanMetric()
 
     def configure_model(self) -> None:
         """Build the network (parameters on the meta device under a sharded strategy); idempotent."""
@@ -72,42 +90,92 @@ class HFCausalLM(L.LightningModule):
                 model = get_peft_model(model, LoraConfig(**dict(h["lora"])))
         self.model = model
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, **inputs: Any) -> Tensor:
+        """The logits for ``input_ids`` (``position_ids`` / ``attention_mask`` passed through)."""
         if self.model is None:
             self.configure_model()
         assert self.model is not None
-        return self.model(input_ids=input_ids).logits
+        if "position_ids" in inputs and "attention_mask" not in inputs:
+            self._check_packing_attention()
+        return self.model(input_ids=input_ids, use_cache=False, **inputs).logits
 
-    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x).flatten(0, 1).float(), y.flatten())
+    def token_sums(self, batch: Union[dict[str, Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+        """``(Σ token losses, target tokens, correctly predicted target tokens)`` of a batch."""
+        if isinstance(batch, dict):
+            inputs = {k: batch[k] for k in ("position_ids", "attention_mask") if k in batch}
+            logits, labels, shift = self(batch["input_ids"], **inputs), batch["labels"], True
+        else:
+            logits, labels, shift = self(batch[0]), batch[1], False
+        total, count = causal_lm_token_loss(logits, labels, shift=shift)
+        if shift:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        correct = ((logits.argmax(-1) == labels) & (labels != -100)).sum()
+        return total, count, correct
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self.loss(batch)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
+    def loss(self, batch: Union[dict[str, Tensor], tuple[Tensor, Tensor]]) -> Tensor:
+        """The batch's mean loss per target token."""
+        total, count, _ = self.token_sums(batch)
+        return total / count.clamp(min=1)
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self.loss(batch), prog_bar=True, sync_dist=True)
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        total, count, _ = self.token_sums(batch)
+        return self.token_loss.add(total, count)
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.token_loss.pending:
+            mean = self.token_loss.finish_step(self.parameters(), gradient_divisor(self.trainer))
+            self.log("train_loss", mean, prog_bar=True)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        total, count, correct = self.token_sums(batch)
+        weight = count.float()
+        self.val_loss_metric.update(total / weight.clamp(min=1), weight)
+        self.val_accuracy_metric.update(correct.float() / weight.clamp(min=1), weight)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss_metric.compute()  # the per-token mean over every rank's tokens
+        metrics = {"val_loss": loss, "val_ppl": loss.exp(), "val_token_accuracy": self.val_accuracy_metric.compute()}
+        self.log_dict(metrics, prog_bar=True, sync_dist=True)  # equal on every rank already: the mean is the value
+        self.val_loss_metric.reset()
+        self.val_accuracy_metric.reset()
+
+    def _check_packing_attention(self) -> None:
+        config = getattr(self.model, "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation is not None and implementation not in PACKING_ATTENTION:
+            raise ValueError(
+                f"Packed batches need an attention implementation that keeps samples apart ({PACKING_ATTENTION});"
+                f" this model uses {implementation!r}. Set attn_implementation, or packing=False in the data."
+            )
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None, seed: int = 0
+        self, prompt_ids: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
+        seed: int = 0, stop_ids: Optional[set[int]] = None,
     ) -> Tensor:
         """Sample a continuation of ``prompt_ids`` ((T,) or (B, T)), as ``GPTLightningModule.generate`` does: every
-        rank calls it (FSDP gathers parameters in each forward) and, with the same ``seed``, samples the same text."""
+        rank calls it (FSDP gathers parameters in each forward) and, with the same ``seed``, samples the same text.
+        Only the last position's logits are computed (``logits_to_keep=1``). Stops early once every row has produced
+        one of ``stop_ids``."""
         from lightning_fsdp.models.gpt import reshard_gathered, sample_next
 
         device = self.trainer.strategy.root_device if self._trainer is not None else next(self.parameters()).device
         idx = prompt_ids.to(device).long()
         idx = idx[None] if idx.ndim == 1 else idx
         generator = torch.Generator(device=device).manual_seed(seed)
+        stopped = torch.zeros(idx.shape[0], dtype=torch.bool, device=device)
         was_training = self.training
         self.eval()
         try:
             for _ in range(max_new_tokens):
-                logits = self(idx)[:, -1, :].float()
+                logits = self(idx, logits_to_keep=1)[:, -1, :].float()
                 idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)
+                if stop_ids:
+                    stopped |= torch.isin(idx[:, -1], torch.tensor(sorted(stop_ids), device=device))
+                    if bool(stopped.all()):  # the same on every rank: the ranks sample the same tokens
+                        break
         finally:
             self.train(was_training)
             reshard_gathered(self)
@@ -117,6 +185,16 @@ class HFCausalLM(L.LightningModule):
         h = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=h["lr"], weight_decay=h["weight_decay"], betas=tuple(h["betas"]))
+
+
+def _check_tokenizer_fits(tokenizer_dir: Path, model_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    from lightning_fsdp.data.sft import check_vocabulary, load_tokenizer
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    vocab = getattr(config.get_text_config(), "vocab_size", None) or 0
+    check_vocabulary(load_tokenizer(tokenizer_dir), int(vocab), str(model_dir))
 
 
 def _byte_characters() -> dict[int, str]:
@@ -149,7 +227,8 @@ def write_random_model(
     path: Union[str, Path], config: dict[str, Any], seed: int = 0, max_shard_size: str = "2MB"
 ) -> Path:
     """A freshly initialised causal LM (``config``: a HF config dict with ``model_type``) saved like a downloaded
-    one: safetensors shards with an index, ``config.json``, and a byte-level tokenizer when the vocabulary is 256.
+    one: safetensors shards with an index, ``config.json``, and a tokenizer: ``config["tokenizer"]`` (a tokenizer
+    directory, whose size sets the vocabulary), or a byte-level one when the vocabulary is 256.
     Written to a hidden sibling and renamed into place, so a half-written directory never looks like a model."""
     import os
 
@@ -157,12 +236,23 @@ def write_random_model(
 
     path = Path(path)
     settings = dict(config)
+    tokenizer = None
+    if settings.get("tokenizer"):
+        from lightning_fsdp.data.sft import load_tokenizer
+
+        tokenizer = load_tokenizer(settings.pop("tokenizer"))
+        settings["vocab_size"] = len(tokenizer)
+        for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+            settings.setdefault(name, getattr(tokenizer, name))
+    settings.pop("tokenizer", None)
     hf_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     model.save_pretrained(tmp, max_shard_size=max_shard_size)
-    if hf_config.vocab_size == 256:
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    elif hf_config.vocab_size == 256:
         byte_tokenizer().save_pretrained(tmp)
     path.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, path)
