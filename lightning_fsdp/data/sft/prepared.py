@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 __all__ = ["PreparedSet", "Recipe", "describe", "prepare", "tokenizer_identity"]
 
 #: bump when the way rows become tokens changes, so old caches are not reused
-ENCODING_VERSION = 1
+ENCODING_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,11 @@ class PreparedSet:
 
         stats = json.loads((root / "stats.json").read_text())
         bins = {split: _read_bins(root / f"{split}_bins.npz") for split in ("train", "val")}
-        return cls(root, datasets.load_from_disk(str(root / "train")), datasets.load_from_disk(str(root / "val")),
-                   datasets.load_from_disk(str(root / "val_source")), bins["train"], bins["val"], stats)
+        def split(name: str) -> Any:
+            path = root / name
+            return datasets.load_from_disk(str(path)) if path.exists() else datasets.Dataset.from_dict({})
+
+        return cls(root, split("train"), split("val"), split("val_source"), bins["train"], bins["val"], stats)
 
 
 def describe(stats: dict[str, Any]) -> str:
@@ -105,18 +108,23 @@ def prepare(recipe: Recipe, encoder: RowEncoder, cache_root: Path, num_proc: Opt
     root = cache_root / f"sft-{cache_key(recipe, encoder.tokenizer)}"
     if (root / "stats.json").exists():
         return root
+    import datasets
+
     tmp = cache_root / f".{root.name}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         train_source, val_source = _splits(recipe, cache_root / "sources")
         stats: dict[str, Any] = {}
+        features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                      "labels": datasets.Sequence(datasets.Value("int32")),
+                                      "length": datasets.Value("int32"), "status": datasets.Value("int8")})
         for split, source in (("train", train_source), ("val", val_source)):
             tokenized = source.map(
                 encoder.encode_batch, batched=True, remove_columns=source.column_names, num_proc=num_proc,
-                desc=f"Tokenizing {split}", cache_file_name=str(tmp / f"{split}-all.arrow"),
+                desc=f"Tokenizing {split}", cache_file_name=str(tmp / f"{split}-all.arrow"), features=features,
                 new_fingerprint=f"{root.name}-{split}-all",
-            )
+            ) if len(source) else datasets.Dataset.from_dict({name: [] for name in features}, features=features)
             statuses = np.asarray(tokenized["status"], dtype=np.int64)
             kept = tokenized.select(np.flatnonzero(statuses <= Status.TRUNCATED).tolist())
             counts = np.bincount(statuses, minlength=len(Status.NAMES))
@@ -125,12 +133,14 @@ def prepare(recipe: Recipe, encoder: RowEncoder, cache_root: Path, num_proc: Opt
             if split == "train" and len(kept) == 0:
                 raise ValueError(f"No training sample is left after filtering: {describe_split(stats[split])}. "
                                  + _empty_hint(recipe))
-            kept.save_to_disk(str(tmp / split))
+            if len(kept):  # datasets cannot read back an empty saved set; a missing split opens as empty
+                kept.save_to_disk(str(tmp / split))
             if recipe.packing:
                 bins = first_fit_decreasing(np.asarray(kept["length"]).tolist(), recipe.seq_len) if len(kept) else []
                 _write_bins(tmp / f"{split}_bins.npz", bins)
                 stats[split]["rows"] = len(bins)
-        val_source.save_to_disk(str(tmp / "val_source"))
+        if len(val_source):
+            val_source.save_to_disk(str(tmp / "val_source"))
         for leftover in tmp.glob("*-all.arrow"):
             leftover.unlink()
         (tmp / "stats.json").write_text(json.dumps({**stats, "recipe": asdict(recipe)}, indent=2))
