@@ -16,12 +16,12 @@ from pathlib import Path
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_fsdp import FSDPCustomFabricStrategy
 from lightning_fsdp.commands.consolidate import main as consolidate
 from lightning_fsdp.data.text import TokenWindows, build_corpus, encode
+from lightning_fsdp.loss import TokenWeightedLoss, causal_lm_token_loss
 from lightning_fsdp.models.hf_causal_lm import write_random_model
 
 OUT = Path("outputs/fabric_finetune_hf_lora")
@@ -54,19 +54,21 @@ def main(model_dir: Path, steps: int = 60) -> None:
     tokens = encode(build_corpus("stdlib", max_bytes=200_000))
     loader = fabric.setup_dataloaders(DataLoader(TokenWindows(tokens, 128), batch_size=4, shuffle=True))
 
+    # the step's gradient is Σ token losses / Σ target tokens over every rank, whatever each batch holds
+    token_loss = TokenWeightedLoss()
     model.train()
     step = 0
     while step < steps:
         for x, y in loader:
-            logits = model(input_ids=x).logits
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-            fabric.backward(loss)
+            total, count = causal_lm_token_loss(model(input_ids=x).logits, y, shift=False)  # y: next-token targets
+            fabric.backward(token_loss.add(total, count))
+            loss = token_loss.finish_step(model.parameters(), fabric.world_size)  # FSDP averaged over the ranks
             fabric.clip_gradients(model, optimizer, max_norm=1.0)
             optimizer.step()
             optimizer.zero_grad()
             step += 1
             if step % 20 == 0:
-                fabric.print(f"step {step}: loss {fabric.all_reduce(loss.detach()).item():.3f}")
+                fabric.print(f"step {step}: loss {loss.item():.3f}")
             if step == steps:
                 break
 
