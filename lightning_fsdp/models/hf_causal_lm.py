@@ -25,7 +25,16 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lightning_fsdp.loss import TokenWeightedLoss, causal_lm_token_loss, gradient_divisor
+from lightning_fsdp.loss import (
+    DEFAULT_CHUNK_TOKENS,
+    TokenWeightedLoss,
+    causal_lm_token_loss,
+    check_chunk_tokens,
+    chunked_causal_lm_eval,
+    chunked_causal_lm_loss,
+    gradient_divisor,
+)
+from lightning_fsdp.models.metrics import ValidationMetrics
 
 #: attention implementations that keep packed samples apart from restarting ``position_ids`` alone
 PACKING_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
@@ -45,6 +54,9 @@ class HFCausalLM(L.LightningModule):
         lr, weight_decay, betas: AdamW over the trainable parameters.
         tokenizer: the tokenizer the data is encoded with (a directory); checked to fit the model's embedding
             when the module is made, before any process starts.
+        loss_chunk: tokens per chunk of the loss (:func:`~lightning_fsdp.loss.chunked_causal_lm_loss`): the
+            output projection and cross entropy run a chunk at a time, so the whole logits never exist; ``None``
+            computes the whole logits (``self.model(input_ids=x).logits``).
     """
 
     def __init__(
@@ -56,15 +68,18 @@ class HFCausalLM(L.LightningModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         tokenizer: Optional[Union[str, Path]] = None,
+        loss_chunk: Optional[int] = DEFAULT_CHUNK_TOKENS,
     ) -> None:
         super().__init__()
+        if loss_chunk is not None:
+            check_chunk_tokens(loss_chunk)
         self.save_hyperparameters()
         self.model: Optional[torch.nn.Module] = None
         if tokenizer is not None:
             _check_tokenizer_fits(Path(tokenizer), Path(model_dir))
         self.token_loss = TokenWeightedLoss()
-        self.val_loss_metric = MeanMetric()
-        self.val_accuracy_metric = MeanMetric()
+        # token-weighted means, kept outside the module tree (see models/metrics.py)
+        self._val_metrics = ValidationMetrics.named(loss=MeanMetric(), accuracy=MeanMetric())
 
     def configure_model(self) -> None:
         """Build the network (parameters on the meta device under a sharded strategy); idempotent."""
@@ -100,17 +115,45 @@ class HFCausalLM(L.LightningModule):
         return self.model(input_ids=input_ids, use_cache=False, **inputs).logits
 
     def token_sums(self, batch: Union[dict[str, Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
-        """``(Σ token losses, target tokens, correctly predicted target tokens)`` of a batch."""
+        """``(Σ token losses, target tokens, correctly predicted target tokens)`` of a batch; the last is computed
+        only outside training (``-1`` while gradients are recorded)."""
         if isinstance(batch, dict):
             inputs = {k: batch[k] for k in ("position_ids", "attention_mask") if k in batch}
-            logits, labels, shift = self(batch["input_ids"], **inputs), batch["labels"], True
+            input_ids, labels, shift = batch["input_ids"], batch["labels"], True
         else:
-            logits, labels, shift = self(batch[0]), batch[1], False
+            inputs, (input_ids, labels), shift = {}, batch, False
+        chunk = self.hparams.get("loss_chunk")
+        if chunk:
+            hidden, head = self._hidden_states(input_ids, **inputs)
+            if torch.is_grad_enabled():
+                total, count = chunked_causal_lm_loss(hidden, head, labels, chunk_tokens=chunk, shift=shift)
+                return total, count, count.new_full((), -1)
+            return chunked_causal_lm_eval(hidden, head, labels, chunk_tokens=chunk, shift=shift)
+        logits = self(input_ids, **inputs)
         total, count = causal_lm_token_loss(logits, labels, shift=shift)
         if shift:
             logits, labels = logits[:, :-1], labels[:, 1:]
         correct = ((logits.argmax(-1) == labels) & (labels != -100)).sum()
         return total, count, correct
+
+    def _hidden_states(self, input_ids: Tensor, **inputs: Any) -> tuple[Tensor, torch.nn.Module]:
+        """The decoder's final hidden states and the output projection, for the chunked loss."""
+        if self.model is None:
+            self.configure_model()
+        assert self.model is not None
+        if "position_ids" in inputs and "attention_mask" not in inputs:
+            self._check_packing_attention()
+        get_base = getattr(self.model, "get_base_model", None)
+        base = get_base() if callable(get_base) else self.model  # PEFT: the model with its adapters injected
+        head, decoder = base.get_output_embeddings(), base.get_decoder()
+        config = getattr(base, "config", None)
+        scaled = [k for k in ("final_logit_softcapping", "logit_scale") if getattr(config, k, None) not in (None, 1.0)]
+        if head is None or decoder is None or decoder is base or scaled:
+            why = f"its logits are transformed after the projection ({scaled})" if scaled else "it has no output projection and decoder to call apart"
+            raise ValueError(f"{type(base).__name__} cannot use the chunked loss: {why}. Pass loss_chunk=None"
+                             " (model.loss_chunk=null) to compute the whole logits.")
+        hidden = decoder(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
+        return hidden, head
 
     def loss(self, batch: Union[dict[str, Tensor], tuple[Tensor, Tensor]]) -> Tensor:
         """The batch's mean loss per target token."""
@@ -130,16 +173,15 @@ class HFCausalLM(L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         total, count, correct = self.token_sums(batch)
         weight = count.float()
-        self.val_loss_metric.update(total / weight.clamp(min=1), weight)
-        self.val_accuracy_metric.update(correct.float() / weight.clamp(min=1), weight)
+        metrics = self._val_metrics.on(total.device)
+        metrics["loss"].update(total / weight.clamp(min=1), weight)
+        metrics["accuracy"].update(correct.float() / weight.clamp(min=1), weight)
 
     @override
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss_metric.compute()  # the per-token mean over every rank's tokens
-        metrics = {"val_loss": loss, "val_ppl": loss.exp(), "val_token_accuracy": self.val_accuracy_metric.compute()}
+        values = self._val_metrics.compute_and_reset()  # per-token means over every rank's tokens (a collective)
+        metrics = {"val_loss": values["loss"], "val_ppl": values["loss"].exp(), "val_token_accuracy": values["accuracy"]}
         self.log_dict(metrics, prog_bar=True, sync_dist=True)  # equal on every rank already: the mean is the value
-        self.val_loss_metric.reset()
-        self.val_accuracy_metric.reset()
 
     def _check_packing_attention(self) -> None:
         config = getattr(self.model, "config", None)

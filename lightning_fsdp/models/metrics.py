@@ -26,6 +26,13 @@ class ValidationMetrics:
             self.metrics["ppl"] = Perplexity()
         self.metrics["acc"] = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
+    @classmethod
+    def named(cls, **metrics: Any) -> ValidationMetrics:
+        """A set of the given metrics (``named(loss=MeanMetric(), accuracy=MeanMetric())``)."""
+        held = cls.__new__(cls)
+        held.metrics = dict(metrics)
+        return held
+
     def on(self, device: torch.device) -> dict[str, Any]:
         for metric in self.metrics.values():
             if metric.device != device:

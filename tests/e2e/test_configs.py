@@ -25,6 +25,7 @@ from lightning_fsdp.sharding import parameters_on_meta
 from lightning_fsdp.train import (
     ConfigError,
     compose_config,
+    ensure_demo_data,
     ensure_pretrained,
     external_global_rank,
     instantiate_group,
@@ -116,14 +117,24 @@ def test_model_options_instantiate_and_build(tmp_path, option):
 
 @pytest.mark.parametrize("option", options("data"))
 def test_data_options_instantiate_and_load(tmp_path, option):
-    cfg = compose(tmp_path, f"data={option}", "data.max_bytes=60000") if "text" in option else \
-        compose_config([f"paths.log_dir={tmp_path}", "model=cnn", f"data={option}", "data.num_train=64", "data.num_val=16"])
+    if option == "sft":  # the demo's generated chat data and the model directory holding its tokenizer
+        cfg = compose(tmp_path, "experiment=finetune_hf_chat", "data.seq_len=128")
+        ensure_demo_data(cfg)
+        ensure_pretrained(cfg)
+    elif "text" in option:
+        cfg = compose(tmp_path, f"data={option}", "data.max_bytes=60000")
+    else:
+        cfg = compose(tmp_path, "model=cnn", f"data={option}", "data.num_train=64", "data.num_val=16")
     validate_config(cfg)
     datamodule = instantiate(cfg.data, _convert_="all")
     assert isinstance(datamodule, L.LightningDataModule)
     datamodule.prepare_data()
     datamodule.setup("fit")
-    x, y = next(iter(datamodule.train_dataloader()))
+    batch = next(iter(datamodule.train_dataloader()))
+    if option == "sft":
+        assert set(batch) == {"input_ids", "labels", "position_ids"} and batch["input_ids"].shape[1] <= 128
+        batch = (batch["input_ids"], batch["labels"])
+    x, y = batch
     assert x.shape[0] == cfg.data.batch_size and y.shape[0] == cfg.data.batch_size
 
 
@@ -178,6 +189,9 @@ def test_experiments_compose_validate_and_instantiate(tmp_path, option):
         assert strategy.cpu_offload and strategy.activation_checkpointing_policy == ["TransformerBlock"]
     if option == "finetune_pretrained":
         assert strategy.pretrained_weights.endswith(".pt") and cfg.pretrained_if_missing == "init"
+    if option == "finetune_hf_chat":
+        assert cfg.data._target_.endswith("SFTDataModule") and cfg.data.tokenizer == model.hparams.model_dir
+        assert cfg.pretrained_init.tokenizer.startswith(cfg.demo_data) and "held_out_answers" in cfg.callbacks
     if option == "finetune_hf_lora":
         assert strategy.pretrained_weights == model.hparams.model_dir and model.hparams.lora["r"] == 8
         assert cfg.pretrained_init.model_type == "llama" and list(cfg.export.formats) == ["hf", "peft"]

@@ -41,7 +41,8 @@ def only_run_dir(cwd: Path, task: str) -> Path:
     """The job's folder; there must be exactly one (ranks > 0 create none)."""
     runs = sorted((cwd / "outputs" / task / "runs").iterdir())
     assert len(runs) == 1, runs
-    assert sorted(p.name for p in (cwd / "outputs").iterdir() if p.name != "pretrained") == [task]
+    # besides the job folders: generated models and prepared data sets, shared by runs
+    assert sorted(p.name for p in (cwd / "outputs").iterdir() if p.name not in ("pretrained", "cache")) == [task]
     assert not (cwd / "lightning_logs").exists()
     return runs[0]
 
@@ -127,6 +128,8 @@ EXPERIMENTS = {
     "finetune_pretrained": ["debug=steps", SMALL_CORPUS],
     "finetune_hf_lora": ["debug=steps", SMALL_CORPUS, "sample.max_new_tokens=4"],
     "finetune_hf_qlora": ["debug=steps", SMALL_CORPUS, "sample.max_new_tokens=4"],
+    "finetune_hf_chat": ["debug=steps", "callbacks.held_out_answers.count=2", "callbacks.held_out_answers.max_new_tokens=4",
+                         "data.seq_len=128", "sample=null"],
 }
 
 
@@ -140,7 +143,7 @@ COVERED_ELSEWHERE = {"gpt_medium_offload", "hsdp", "finetune_pretrained", "finet
     [pytest.param(e, marks=pytest.mark.slow) if e in COVERED_ELSEWHERE else e for e in sorted(EXPERIMENTS)],
 )
 def test_every_experiment_runs_with_a_debug_override(tmp_path, experiment):
-    check(cli(["train", f"experiment={experiment}", *EXPERIMENTS[experiment]], tmp_path))
+    proc = check(cli(["train", f"experiment={experiment}", *EXPERIMENTS[experiment]], tmp_path))
     run_dir = only_run_dir(tmp_path, experiment)
     result = summary(run_dir)
     assert result["state"] == "finished"
@@ -160,6 +163,15 @@ def test_every_experiment_runs_with_a_debug_override(tmp_path, experiment):
     elif experiment == "finetune_pretrained":
         assert (tmp_path / "outputs" / "pretrained" / "gpt_L6_d256_v256.pt").is_file()  # pretrained_if_missing=init
         assert result["global_step"] == 4
+    elif experiment == "finetune_hf_chat":  # generated data, a tokenizer trained on it, a model of its vocabulary
+        from transformers import AutoConfig, AutoTokenizer
+
+        model_dir = tmp_path / "outputs" / "pretrained" / "chat_demo_llama_L4_d192"
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        assert tokenizer.chat_template and len(tokenizer) == AutoConfig.from_pretrained(model_dir).vocab_size > 256
+        assert (tmp_path / "outputs" / "cache" / "chat_demo" / "train.jsonl").is_file()
+        assert {"val_loss", "val_ppl", "val_token_accuracy", "held_out_exact_match"} <= set(result["metrics"])
+        assert "Held-out answers at step 0" in proc.stdout and "Held-out answers after 4 steps" in proc.stdout
     elif experiment == "finetune_hf_qlora":
         assert len(result["wrapped_units"]) == 5 and {"hf", "peft"} <= set(result["exports"])
         assert (tmp_path / "outputs" / "pretrained" / "llama_byte_L4_d256_ff768" / "config.json").is_file()
