@@ -46,7 +46,7 @@ def bf16_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(bf16_llama, tmp_path_factory):
     """``AutoModelForCausalLM.from_pretrained`` in one process, the global batch in the sharded runs' order."""
-    hf = {"model_dir": str(bf16_llama), "from_pretrained": True, "lr": LR}
+    hf = {"model_dir": str(bf16_llama), "from_pretrained": True, "lr": LR, "loss_chunk": None}  # the whole logits
     spec = {"strategy": "auto", "devices": 1, "batch_size": GLOBAL_BATCH, "max_steps": STEPS, "hf": hf}
     return train(spec, tmp_path_factory.mktemp("reference"), "reference")
 
@@ -59,7 +59,7 @@ def test_full_finetune_from_sharded_safetensors_equals_from_pretrained(bf16_llam
         "batch_size": GLOBAL_BATCH // world,
         "max_steps": STEPS,
         "strategy_kwargs": {"pretrained_weights": str(bf16_llama)},
-        "hf": {"model_dir": str(bf16_llama), "lr": LR},
+        "hf": {"model_dir": str(bf16_llama), "lr": LR, "loss_chunk": 5},  # chunked: 5 divides no batch's count
     }
     result = train(spec, tmp_path, f"sharded{world}")
     assert result["wrapped_units"] == ["model.model.layers.0", "model.model.layers.1", ""]

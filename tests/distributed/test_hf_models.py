@@ -45,7 +45,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def references(models, tmp_path_factory):
     """``AutoModelForCausalLM.from_pretrained`` of every model in one process, on the sharded runs' global batches."""
     def spec(path: Path) -> dict:
-        hf = {"model_dir": str(path), "from_pretrained": True, "lr": LR}
+        hf = {"model_dir": str(path), "from_pretrained": True, "lr": LR, "loss_chunk": None}  # the whole logits
         return {"strategy": "auto", "devices": 1, "batch_size": GLOBAL_BATCH, "max_steps": STEPS, "hf": hf}
 
     return train_many({name: spec(path) for name, path in models.items()}, tmp_path_factory.mktemp("refs"), timeout=300)
@@ -59,7 +59,8 @@ def _sharded(path: Path, world: int = 2, **strategy_kwargs) -> dict:
         "max_steps": STEPS,
         "empty_init": True,  # on the meta device: no rank ever materialises the model
         "strategy_kwargs": {"pretrained_weights": str(path), **strategy_kwargs},
-        "hf": {"model_dir": str(path), "lr": LR},
+        # the chunked loss, 5 tokens a chunk (no batch's count divides by it), against the references' whole logits
+        "hf": {"model_dir": str(path), "lr": LR, "loss_chunk": 5},
     }
 
 
@@ -97,6 +98,13 @@ def tied_run(models, tmp_path_factory):
               "save_path": str(root / "resumed.ckpt")}
     resume["strategy_kwargs"] = {}  # the checkpoint holds every weight of a full fine-tune: no base to read
     return root, run, train(resume, root, "resumed")
+
+
+@pytest.mark.slow  # CI: the 2-rank runs here cover the chunked loss under full sharding
+def test_tied_llama_on_a_2x2_hsdp_mesh_with_the_chunked_loss_equals_the_whole_logits(models, references, tmp_path):
+    run = train(_sharded(models["tied_llama"], world=4, replicate_size=2, shard_size=2), tmp_path, "hsdp")
+    assert_parity(run, references["tied_llama"])
+    _assert_tied(run["params"])
 
 
 def test_tied_llama_loads_from_files_holding_the_tensor_once(models, tied_run, references):

@@ -1,0 +1,91 @@
+"""The causal-LM loss without the whole logits: the output projection and the cross entropy run one chunk of tokens
+at a time, and each chunk is recomputed in backward.
+
+At 8192 tokens Llama-3's logits (vocabulary 128k) are 4.2 GB in fp32, and their gradient as much again: more than a
+4-bit 8B base. Here at most one chunk's logits (``chunk_tokens × vocab``) exist at a time, in forward and in
+backward; each chunk runs under :func:`torch.utils.checkpoint.checkpoint` (non-reentrant), so it is plain torch,
+runs on CPU and GPU, keeps autocast (each chunk's logits are upcast to fp32 before the softmax, as
+``F.cross_entropy(logits.float(), ...)`` is) and composes with ``torch.compile``. The head is called as a module,
+so a tied embedding, a LoRA-wrapped or a quantized head works unchanged. Under FSDP2 the head lives in the root unit,
+whose parameters stay gathered from the root's forward through backward: the chunks re-use one all-gather.
+
+The result is ``(Σ token losses, target tokens)``: what :class:`~lightning_fsdp.loss.TokenWeightedLoss` divides.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_fsdp.loss.token_mean import IGNORE_INDEX
+
+__all__ = ["DEFAULT_CHUNK_TOKENS", "check_chunk_tokens", "chunked_causal_lm_eval", "chunked_causal_lm_loss"]
+
+#: tokens per chunk unless told otherwise (see the README's measurement: ~1.0x the unchunked step's time)
+DEFAULT_CHUNK_TOKENS = 1024
+
+Head = Union[nn.Module, Callable[[Tensor], Tensor]]
+
+
+def check_chunk_tokens(chunk_tokens: int) -> int:
+    if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens <= 0:
+        raise ValueError(f"loss_chunk={chunk_tokens!r}: the tokens per loss chunk must be a positive integer (e.g. 1024).")
+    return chunk_tokens
+
+
+def _chunk_loss(head: Head, hidden: Tensor, labels: Tensor) -> Tensor:
+    logits = head(hidden)
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_causal_lm_loss(
+    hidden: Tensor, head: Head, labels: Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, shift: bool = True
+) -> tuple[Tensor, Tensor]:
+    """``(Σ token cross entropies, number of target tokens)`` of ``head(hidden)`` against ``labels``.
+
+    ``hidden``: ``(..., T, H)`` final hidden states (after the final norm); ``head``: the output projection (the
+    model's ``get_output_embeddings()``); ``labels``: ``(..., T)``, ``-100`` where nothing is trained. ``shift``
+    as in :func:`~lightning_fsdp.loss.causal_lm_token_loss`. Equal to it over the whole logits, to fp32 tolerance.
+    """
+    check_chunk_tokens(chunk_tokens)
+    if shift:
+        hidden, labels = hidden[..., :-1, :], labels[..., 1:]
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    keep = labels != IGNORE_INDEX
+    count = keep.sum()
+    if not torch.compiler.is_compiling():  # drop untrained positions first: their logits are never needed
+        hidden, labels = hidden[keep], labels[keep]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, labels.shape[0], chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_loss, head, hidden[part], labels[part], use_reentrant=False)
+        else:
+            total = total + _chunk_loss(head, hidden[part], labels[part])
+    return total, count
+
+
+@torch.no_grad()
+def chunked_causal_lm_eval(
+    hidden: Tensor, head: Head, labels: Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, shift: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(Σ token losses, target tokens, targets the argmax predicts)`` for evaluation, one chunk at a time."""
+    check_chunk_tokens(chunk_tokens)
+    if shift:
+        hidden, labels = hidden[..., :-1, :], labels[..., 1:]
+    labels = labels.reshape(-1)
+    keep = labels != IGNORE_INDEX
+    hidden, labels = hidden.reshape(-1, hidden.shape[-1])[keep], labels[keep]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros((), dtype=torch.long, device=hidden.device)
+    for start in range(0, labels.shape[0], chunk_tokens):
+        logits = head(hidden[start:start + chunk_tokens]).float()
+        part = labels[start:start + chunk_tokens]
+        total = total + F.cross_entropy(logits, part, reduction="sum")
+        correct = correct + (logits.argmax(-1) == part).sum()
+    return total, keep.sum(), correct

@@ -1,0 +1,93 @@
+"""The chunked causal-LM loss equals the loss over the whole logits, value and every gradient, without the logits.
+
+Real transformers Llamas (tied and untied heads), chunk sizes that do and do not divide the token count, padding and
+``-100`` runs, fp32 and bf16 autocast, through ``HFCausalLM``'s own step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fsdp.loss import IGNORE_INDEX, causal_lm_token_loss, chunked_causal_lm_eval, chunked_causal_lm_loss
+
+pytest.importorskip("transformers")
+
+
+def _labels(shape: tuple[int, int], vocab: int) -> torch.Tensor:
+    labels = torch.randint(0, vocab, shape)
+    labels[0, :5] = IGNORE_INDEX  # a masked prompt
+    labels[1, -7:] = IGNORE_INDEX  # padding
+    labels[1, 3:6] = IGNORE_INDEX  # a masked run inside
+    return labels
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 4096])
+@pytest.mark.parametrize("shift", [True, False])
+def test_loss_and_gradients_equal_the_whole_logits(chunk, shift):
+    torch.manual_seed(0)
+    head = nn.Linear(24, 301)
+    hidden = torch.randn(2, 19, 24, requires_grad=True)
+    labels = _labels((2, 19), 301)
+    whole, count = causal_lm_token_loss(head(hidden), labels, shift=shift)
+    whole.backward()
+    expected = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
+    hidden.grad = head.weight.grad = head.bias.grad = None
+    total, chunked_count = chunked_causal_lm_loss(hidden, head, labels, chunk_tokens=chunk, shift=shift)
+    total.backward()
+    assert int(chunked_count) == int(count)
+    torch.testing.assert_close(total, whole)
+    for got, want in zip([hidden.grad, head.weight.grad, head.bias.grad], expected):
+        torch.testing.assert_close(got, want)
+    evaluated, _, correct = chunked_causal_lm_eval(hidden, head, labels, chunk_tokens=chunk, shift=shift)
+    torch.testing.assert_close(evaluated, whole)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_hf_causal_lm_step_is_the_same_chunked(tmp_path, tied, precision):
+    """``HFCausalLM``'s summed loss and every parameter's gradient, chunked (7 tokens) against the whole logits."""
+    from lightning_fsdp.models import HFCausalLM
+    from tests.helpers.hf import write_llama
+
+    model_dir = write_llama(tmp_path / "llama", tie_word_embeddings=tied)
+    torch.manual_seed(1)
+    batch = {"input_ids": torch.randint(0, 37, (2, 23)), "labels": _labels((2, 23), 37),
+             "attention_mask": torch.ones(2, 23, dtype=torch.long)}
+    batch["attention_mask"][1, -7:] = 0
+    results = []
+    for chunk in (None, 7):
+        module = HFCausalLM(model_dir, from_pretrained=True, loss_chunk=chunk)
+        module.configure_model()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            total, count, _ = module.token_sums(batch)
+        total.backward()
+        results.append((total.detach(), count, {n: p.grad for n, p in module.named_parameters()}))
+    (whole, n1, g1), (chunked, n2, g2) = results
+    assert int(n1) == int(n2)
+    if precision == "32-true":
+        torch.testing.assert_close(chunked, whole)
+        torch.testing.assert_close(g2, g1)
+    else:  # the same bf16 matmuls, the head's gradient rounded to bf16 per chunk: bf16's relative error
+        torch.testing.assert_close(chunked, whole, rtol=1.6e-2, atol=1e-5)
+        for name in g1:
+            assert (g2[name] - g1[name]).norm() <= 1e-2 * g1[name].norm(), name
+    assert ("model.lm_head.weight" in g1) is not tied  # tied: one parameter, both gradients in it
+
+
+def test_bad_chunks_and_heads_are_named(tmp_path):
+    from lightning_fsdp.models import HFCausalLM
+    from tests.helpers.hf import write_llama
+
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="must be a positive integer"):
+            HFCausalLM(tmp_path, loss_chunk=bad)
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        chunked_causal_lm_loss(torch.zeros(1, 2, 3), nn.Linear(3, 4), torch.zeros(1, 2, dtype=torch.long), chunk_tokens=0)
+
+    module = HFCausalLM(write_llama(tmp_path / "llama"), from_pretrained=True)
+    module.configure_model()
+    module.model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match=r"cannot use the chunked loss.*loss_chunk=None"):
+        module.token_sums((torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)))
