@@ -144,7 +144,7 @@ class HFCausalLM(L.LightningModule):
         if "position_ids" in inputs and "attention_mask" not in inputs:
             self._check_packing_attention()
         get_base = getattr(self.model, "get_base_model", None)
-        base = get_base() if callable(get_base) else self.model  # PEFT: the model with its adapters injected
+        base: Any = get_base() if callable(get_base) else self.model  # PEFT: the model with its adapters injected
         head, decoder = base.get_output_embeddings(), base.get_decoder()
         config = getattr(base, "config", None)
         scaled = [k for k in ("final_logit_softcapping", "logit_scale") if getattr(config, k, None) not in (None, 1.0)]
