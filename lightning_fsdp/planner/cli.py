@@ -9,6 +9,7 @@ from dataclasses import asdict, replace
 from typing import Any, Optional
 
 from lightning_fsdp.formatting import format_bytes, format_count, parse_bytes
+from lightning_fsdp.loss import DEFAULT_CHUNK_TOKENS, check_chunk_tokens
 from lightning_fsdp.planner.advice import DEFAULT_HEADROOM, Verdict, verdict
 from lightning_fsdp.planner.estimate import OPTIMIZER_STATES, PRECISION_BYTES, Estimate, PlanOptions, estimate
 from lightning_fsdp.planner.geometry import GPTDims, ModelSpec, gpt_model_spec
@@ -89,10 +90,53 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=int, default=1, help="per rank")
     run.add_argument("--activation-checkpointing", action="store_true")
     run.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
+    run.add_argument("--loss-chunk", default=str(DEFAULT_CHUNK_TOKENS),
+                     help="Hugging Face models: tokens per chunk of the loss (HFCausalLM's loss_chunk), or 'none' for"
+                          f" the whole logits (default {DEFAULT_CHUNK_TOKENS})")
+    run.add_argument("--max-seq", action="store_true",
+                     help="with --device-memory: the longest sequence (per sample) that fits, by bisection")
     run.add_argument("--device-memory", help="per-rank memory to check against, e.g. 80GiB, 24GB, 512MiB")
     run.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="share of device memory kept free")
     run.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p
+
+
+def _loss_chunk(text: str) -> Optional[int]:
+    if text.lower() in ("none", "null", "whole"):
+        return None
+    try:
+        return check_chunk_tokens(int(text))
+    except ValueError as err:
+        raise ValueError(f"--loss-chunk {text}: a positive number of tokens, or 'none'.") from err
+
+
+def longest_sequence(spec: ModelSpec, options: PlanOptions, device_bytes: int, headroom: float,
+                     limit: int = 1 << 22) -> int:
+    """The largest ``seq_len`` whose plan fits ``device_bytes`` per rank (minus ``headroom``); 0 if none does.
+    The plan grows with the sequence, so a bisection finds it."""
+    usable = int(device_bytes * (1 - headroom))
+
+    def fits(seq: int) -> bool:
+        return estimate(_with_seq(spec, seq), replace(options, seq_len=seq)).device <= usable
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def _with_seq(spec: ModelSpec, seq: int) -> ModelSpec:
+    if spec.gpt is not None:
+        return replace(spec, gpt=replace(spec.gpt, seq_len=seq))
+    if spec.llama is not None:
+        return replace(spec, llama=replace(spec.llama, seq_len=seq))
+    return spec
 
 
 def resolve_spec(args: argparse.Namespace) -> ModelSpec:
@@ -138,8 +182,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             world_size=args.world_size, replicate=args.replicate, precision=normalize_precision(args.precision),
             optimizer=args.optimizer, cpu_offload=args.cpu_offload, strategy=args.strategy,
             batch_size=args.batch_size, seq_len=args.seq, activation_checkpointing=args.activation_checkpointing,
-            attention=args.attention, quantize_base=args.quantize_base,
+            attention=args.attention, quantize_base=args.quantize_base, loss_chunk=_loss_chunk(args.loss_chunk),
         )
+        if args.max_seq:
+            if not args.device_memory:
+                raise ValueError("--max-seq needs --device-memory.")
+            longest = longest_sequence(spec, options, parse_bytes(args.device_memory), args.headroom)
+            print(json.dumps({"model": spec.name, "max_seq": longest}) if args.json else
+                  f"{spec.name}: the longest sequence that fits {args.device_memory} per rank is"
+                  f" {longest if longest else 'none (not even 1 token)'} tokens × batch {options.batch_size}")
+            return 0 if longest else 1
         est = estimate(spec, options)
         v = verdict(spec, options, parse_bytes(args.device_memory), headroom=args.headroom) if args.device_memory else None
     except (ValueError, FileNotFoundError) as err:

@@ -78,6 +78,9 @@ class PlanOptions:
     prefetch: int = 1
     attention: str = "sdpa"
     quantize_base: Optional[str] = None
+    #: tokens per chunk of a chunked loss (Hugging Face models' default, ``HFCausalLM(loss_chunk=...)``); ``None``:
+    #: the whole logits, as the GPT example computes them
+    loss_chunk: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.quantize_base is not None and self.quantize_base not in QUANTIZE_METHODS:
@@ -280,7 +283,7 @@ def activation_bytes(spec: ModelSpec, options: PlanOptions) -> int:
 
         return llama_activation_bytes(
             spec.llama, options.batch_size, options.seq_len, compute_bytes=compute,
-            activation_checkpointing=options.activation_checkpointing,
+            activation_checkpointing=options.activation_checkpointing, loss_chunk=options.loss_chunk,
         )
     if spec.gpt is None:
         return 0

@@ -108,7 +108,7 @@ def llama_model_spec(dims: LlamaDims, name: str = "llama") -> ModelSpec:
 
 def llama_activation_bytes(
     dims: LlamaDims, batch_size: int, seq_len: Optional[int] = None, *, compute_bytes: int = 4,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool = False, loss_chunk: Optional[int] = None,
 ) -> int:
     """Bytes autograd keeps between forward and backward for one rank's batch (SDPA attention).
 
@@ -117,7 +117,8 @@ def llama_activation_bytes(
     the SwiGLU MLP's gate, up, SiLU(gate) and product (4·ff); plus fp32 statistics (two norms, the attention's
     per-head log-sum-exp). Activation checkpointing keeps each block's input and recomputes one block at a time.
     Outside the blocks: the embedding output, the final norm, and the logits (compute dtype + an fp32 copy,
-    log-softmax and its gradient).
+    log-softmax and its gradient): of every token, or with ``loss_chunk`` of one chunk at a time (the chunked loss
+    keeps the trained positions' hidden states instead, ``d`` more per token).
     """
     s = seq_len or dims.seq_len
     tokens = batch_size * s
@@ -127,8 +128,17 @@ def llama_activation_bytes(
     stats = 2 * 4 + dims.n_head * 4
     per_layer = elements * p + stats
     blocks = dims.n_layer * d * p + per_layer if activation_checkpointing else dims.n_layer * per_layer
-    logits = dims.vocab_size * (p + (4 if p < 4 else 0) + 4 + 4)
-    return int(tokens * (blocks + 2 * d * p + logits))
+    return int(tokens * (blocks + 2 * d * p) + loss_bytes(dims.vocab_size, d, p, tokens, loss_chunk))
+
+
+def loss_bytes(vocab: int, d_model: int, compute_bytes: int, tokens: int, loss_chunk: Optional[int]) -> int:
+    """The loss's logits (compute dtype, an fp32 copy, log-softmax and its gradient) for every token, or for one
+    chunk of ``loss_chunk`` tokens plus the hidden states the chunked loss keeps."""
+    p = compute_bytes
+    per_token = vocab * (p + (4 if p < 4 else 0) + 4 + 4)
+    if loss_chunk is None:
+        return tokens * per_token
+    return min(tokens, loss_chunk) * per_token + tokens * d_model * p
 
 
 def with_lora(dims: LlamaDims, rank: Optional[int], targets: Optional[Sequence[str]]) -> LlamaDims:

@@ -62,3 +62,36 @@ def test_estimate_command_takes_a_config_json_or_a_preset(tmp_path, capsys):
                          "--activation-checkpointing", "--device-memory", "80GB"]) == 0
     assert "trainable" in capsys.readouterr().out
     assert planner.main(["--lora-rank", "8", "--layers", "2", "--width", "64", "--vocab", "10"]) == 2
+
+
+def test_the_chunked_loss_counts_one_chunk_of_logits_not_every_token():
+    from lightning_fsdp.planner.estimate import PlanOptions, estimate
+    from lightning_fsdp.planner.llama import loss_bytes
+
+    vocab, d, tokens = 128_256, 4096, 8192
+    whole = loss_bytes(vocab, d, 2, tokens, None)
+    assert whole == tokens * vocab * (2 + 4 + 4 + 4)  # bf16 logits, their fp32 copy, log-softmax, its gradient
+    assert loss_bytes(vocab, d, 2, tokens, 1024) == whole // 8 + tokens * d * 2
+    assert loss_bytes(vocab, d, 2, 100, 1024) == loss_bytes(vocab, d, 2, 100, None) + 100 * d * 2
+    spec = llama_model_spec(llama_dims(PRESETS["llama-3-8b"], 8192))
+    plans = {c: estimate(spec, PlanOptions(precision="bf16-mixed", loss_chunk=c)) for c in (None, 1024)}
+    assert plans[None].activations - plans[1024].activations == whole - loss_bytes(vocab, d, 2, tokens, 1024)
+
+
+def test_max_seq_is_the_longest_sequence_that_fits(capsys):
+    from lightning_fsdp.planner.cli import longest_sequence, main
+    from lightning_fsdp.planner.estimate import PlanOptions, estimate
+
+    spec = llama_model_spec(with_lora(llama_dims(PRESETS["llama-3-8b"], 2048), 16, None))  # QLoRA on one card
+    options = PlanOptions(precision="bf16-mixed", quantize_base="nf4", activation_checkpointing=True, loss_chunk=1024)
+    budget = 24 * 10**9
+    longest = longest_sequence(spec, options, budget, 0.1)
+    fits = [estimate(spec, PlanOptions(**{**options.__dict__, "seq_len": s})).device <= budget * 0.9
+            for s in (longest, longest + 1)]
+    assert longest > 4096 and fits == [True, False]
+    args = ["estimate", "--hf-config", "llama-3-8b", "--lora-rank", "16", "--quantize-base", "nf4", "--precision", "bf16-mixed",
+            "--activation-checkpointing", "--device-memory", "24GB", "--max-seq"]
+    assert main(args[1:]) == 0 and f"is {longest} tokens" in capsys.readouterr().out
+    assert main([*args[1:], "--loss-chunk", "none"]) == 0
+    assert int(capsys.readouterr().out.split(" is ")[1].split()[0]) < longest  # the whole logits cost context
+    assert main([*args[1:], "--loss-chunk", "0"]) == 2 and "positive number of tokens" in capsys.readouterr().err
