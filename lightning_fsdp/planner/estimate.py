@@ -179,12 +179,17 @@ def state_bytes(spec: ModelSpec, options: PlanOptions, rank: int = 0) -> tuple[i
 
     This is what :func:`lightning_fsdp.memory.local_state_bytes` measures (``DTensor.to_local()``).
     """
-    stored, _ = PRECISION_BYTES[normalize_precision(options.precision)]
+    stored, compute = PRECISION_BYTES[normalize_precision(options.precision)]
     shard = options.shard
     quantized = quantized_params(spec, options)
+    # *-mixed under FSDP holds frozen parameters in the compute dtype (``store_frozen_in_compute_dtype``)
+    frozen = compute if options.precision.endswith("-mixed") and options.strategy == "fsdp" else stored
     numel = [sharded_numel(p.shape, shard, rank) for p in spec.params]
     trainable = sum(n for n, p in zip(numel, spec.params) if p.trainable)
-    params = sum(_quantized_bytes(n) if p.name in quantized else n * stored for n, p in zip(numel, spec.params))
+    params = sum(
+        _quantized_bytes(n) if p.name in quantized else n * (stored if p.trainable else frozen)
+        for n, p in zip(numel, spec.params)
+    )
     grads = trainable * stored
     optimizer = OPTIMIZER_STATES[options.optimizer] * trainable * stored
     return params, grads, optimizer

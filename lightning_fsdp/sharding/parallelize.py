@@ -1,5 +1,6 @@
 """Apply a sharding plan to a model in the one order that works: activation checkpointing → the frozen base
-quantized (``quantize_base``) → ``torch.compile`` each unit → ``fully_shard`` each unit bottom-up → the root.
+quantized (``quantize_base``) → the other frozen parameters held in the compute dtype (``*-mixed``) →
+``torch.compile`` each unit → ``fully_shard`` each unit bottom-up → the root.
 
 Every function takes ``(model, mesh, options)`` and returns what it did, so it is usable and testable without a
 Trainer.
@@ -8,9 +9,11 @@ Trainer.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+import torch
 from torch import nn
 
 from lightning_fsdp._torch_compat import composable_checkpoint
@@ -60,6 +63,29 @@ def apply_activation_checkpointing(model: nn.Module, policy: WrapPolicy) -> list
     return names
 
 
+def store_frozen_in_compute_dtype(
+    model: nn.Module, mp_policy: MixedPrecisionPolicy, skip: Collection[str] = ()
+) -> list[str]:
+    """Hold every frozen floating-point parameter in the policy's compute dtype (``param_dtype``); returns their names.
+
+    FSDP2 casts each parameter to ``param_dtype`` for its all-gather, and no optimizer updates a frozen one, so an
+    fp32 copy of it (a LoRA run's embedding, head and norms) costs twice the bytes for bit-identical compute.
+    Quantized weights (``skip``) and other tensor subclasses keep their own format.
+    """
+    dtype = mp_policy.param_dtype
+    if dtype is None:
+        return []
+    changed = []
+    for name, param in model.named_parameters():
+        if param.requires_grad or not param.is_floating_point() or param.dtype == dtype or name in skip:
+            continue
+        if type(param.data) is not torch.Tensor:  # e.g. an NF4 weight
+            continue
+        param.data = param.data.to(dtype)  # the same Parameter: ties and references stay
+        changed.append(name)
+    return changed
+
+
 def shard_model(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -99,6 +125,7 @@ def shard_model(
                 " everything else is offloaded.",
                 stacklevel=3,
             )
+    store_frozen_in_compute_dtype(model, kwargs["mp_policy"], quantized.names if quantized is not None else ())
     compile_units(model, [*names, ""], compile)
     modules = dict(model.named_modules())
     for name in names:

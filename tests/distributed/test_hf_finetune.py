@@ -222,3 +222,39 @@ def test_a_broken_directory_fails_on_every_rank_before_anything_is_allocated(bf1
     assert sorted(found) == [0, 1], proc.stderr[-3000:]
     for text in found.values():
         assert text.startswith("CheckpointError") and f"{missing.name} is missing (the index names it)" in text
+
+
+def test_bf16_mixed_holds_frozen_weights_in_bf16_with_the_same_losses_and_adapters(tmp_path):
+    """LoRA and QLoRA under bf16-mixed: the frozen embedding, head and norms are held in bf16 (FSDP2 casts them to
+    bf16 for every use anyway), so the run computes exactly what it did with them in fp32, in the bytes the
+    planner plans."""
+    from lightning_fsdp.planner.estimate import PlanOptions, state_bytes
+    from lightning_fsdp.planner.llama import llama_dims, llama_model_spec, with_lora
+    from tests.helpers.hf import TINY_LLAMA
+
+    # the QLoRA base's projections hold whole NF4 scaler blocks (64 × 256 elements) at one rank
+    base = write_llama(tmp_path / "base", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=4)
+    specs = {}
+    for quantize in (None, "nf4"):
+        for fp32 in (False, True):
+            specs[f"{quantize}-{'fp32' if fp32 else 'bf16'}"] = {
+                "strategy": "fsdp_custom", "devices": 1, "batch_size": 4, "max_steps": 3, "precision": "bf16-mixed",
+                "strategy_kwargs": {"pretrained_weights": str(base), "quantize_base": quantize},
+                "hf": {"model_dir": str(base), "lora": LORA, "lr": LORA_LR}, "keep_frozen_in_fp32": fp32,
+            }
+    from tests.helpers.launch import train_many
+
+    runs = train_many(specs, tmp_path)
+    config = {**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+              "num_key_value_heads": 4}
+    dims = with_lora(llama_dims(config), LORA["r"], LORA["target_modules"])
+    for quantize in (None, "nf4"):
+        held, reference = runs[f"{quantize}-bf16"], runs[f"{quantize}-fp32"]
+        assert held["losses"] == reference["losses"]  # bit-identical compute
+        adapters = [k for k in reference["params"] if "lora_" in k]
+        assert adapters and all(torch.equal(held["params"][k], reference["params"][k]) for k in adapters)
+        planned = state_bytes(llama_model_spec(dims), PlanOptions(precision="bf16-mixed", quantize_base=quantize))
+        params, _, optimizer = held["state_bytes"][0]
+        assert (params, optimizer) == (planned[0], planned[2]), (quantize, held["state_bytes"], planned)
+        assert reference["state_bytes"][0][0] > params  # fp32 frozen weights: more bytes

@@ -220,6 +220,12 @@ def ema_callback(spec: dict, ours: bool) -> Callback | None:
 
 def main(spec: dict) -> None:
     L.seed_everything(spec.get("seed", 0), workers=True)
+    # the reference for the frozen weights' dtype: them kept in fp32 under *-mixed, as the package once did
+    import importlib
+
+    sharding = importlib.import_module("lightning_fsdp.sharding.parallelize")
+    store = sharding.__dict__.setdefault("_store_frozen", sharding.store_frozen_in_compute_dtype)
+    sharding.store_frozen_in_compute_dtype = (lambda *args, **kwargs: []) if spec.get("keep_frozen_in_fp32") else store
     torch.use_deterministic_algorithms(True, warn_only=True)
     strategy = spec.get("strategy", "fsdp_custom")
     if strategy == "model_parallel":  # Lightning's own, the module shards itself (TinyLM(shard_myself=True))
