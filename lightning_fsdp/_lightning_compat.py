@@ -45,6 +45,7 @@ __all__ = [
     "ForwardRedirection",
     "RootForwardRedirection",
     "SubprocessScriptLauncher",
+    "ModuleAssignmentHook",
     "attached_trainer",
     "batches_processed",
     "give_module_device_mesh",
@@ -55,6 +56,7 @@ __all__ = [
     "start_local_ranks",
     "sync_ddp_if_available",
     "trainer_callbacks",
+    "uncompile",
     "unwrap_optimizer",
 ]
 
@@ -106,3 +108,32 @@ def reset_optimizers(strategy: Any) -> None:
 def batches_processed(trainer: pl.Trainer) -> int:
     """Training batches of the current epoch already processed (Lightning's fit-loop progress counter)."""
     return int(cast(Any, trainer.fit_loop.epoch_loop.batch_progress.current).processed)  # typed as its base class
+
+
+class ModuleAssignmentHook:
+    """Lightning stores the module a Trainer entry point (``fit``, ``validate``, ``test``, ``predict``) was given in
+    its strategy's ``_lightning_module`` before it checks compiled modules or starts any process (on every rank that
+    runs the script); a strategy with this mixin sees it there, in :meth:`on_lightning_module`, and may refuse it."""
+
+    def on_lightning_module(self, module: Optional[pl.LightningModule]) -> None:
+        """Called with every module assigned (``None`` when Lightning clears it)."""
+
+    @property
+    def _lightning_module(self) -> Optional[pl.LightningModule]:
+        return self.__dict__.get("_assigned_lightning_module")
+
+    @_lightning_module.setter
+    def _lightning_module(self, module: Optional[pl.LightningModule]) -> None:
+        self.on_lightning_module(module)
+        self.__dict__["_assigned_lightning_module"] = module
+
+
+def uncompile(module: pl.LightningModule) -> bool:
+    """If Lightning unwrapped a ``torch.compile``'d module into ``module`` (``fit(torch.compile(model))``), restore
+    its own methods (Lightning's ``to_uncompiled``) and return ``True``."""
+    from lightning.pytorch.utilities.compile import to_uncompiled
+
+    if getattr(module, "_compiler_ctx", None) is None:
+        return False
+    to_uncompiled(module)
+    return True

@@ -1,4 +1,4 @@
-"""Every private torch internal the package relies on (and transformers' one), in one module, checked against the
+"""Every private torch internal the package relies on (and transformers' and torchmetrics' few), in one module, checked against the
 versions it was written for. Lightning's internals live beside it, in ``_lightning_compat.py``.
 
 Outside these two modules the package uses public names only (a test greps for it). Each internal is one of:
@@ -46,6 +46,12 @@ __all__ = [
     "hf_storage_info",
     "load_in_place",
     "keep_root_gathered",
+    "metric_states",
+    "private_reset_parameters",
+    "reset_sharded_params",
+    "set_metric_defaults",
+    "spectral_norm_vectors",
+    "swaps_on_conversion",
     "use_file_system",
     "warn_lost",
 ]
@@ -299,6 +305,79 @@ def compiled_graph_count() -> int:
 def hf_init_weights(owner: nn.Module, module: nn.Module) -> None:
     """``PreTrainedModel._init_weights(module)``: how transformers initialises one module of ``owner``."""
     cast(Any, owner)._init_weights(module)  # nn.Module's attribute typing knows tensors and modules only
+
+
+# -- meta-device initialisation ---------------------------------------------------------------------------------------
+def private_reset_parameters(module: nn.Module) -> Optional[Callable[[], None]]:
+    """``module._reset_parameters``: how ``nn.MultiheadAttention`` (its own weights) and ``nn.Transformer`` (every
+    matrix below it) initialise, called from their ``__init__`` instead of a public ``reset_parameters()``."""
+    reset = getattr(module, "_reset_parameters", None)
+    if not callable(reset) or any(p.default is p.empty for p in inspect.signature(reset).parameters.values()):
+        return None  # not an initialiser that runs on its own
+    return reset
+
+
+def swaps_on_conversion(tensor: torch.Tensor) -> bool:
+    """Whether ``Module._apply`` (``to_empty``, ``.to``) swaps a parameter's contents in place rather than replacing
+    it: for tensor subclasses that wrap others (DTensor, torchao's NF4) or when torch's future flag asks for it."""
+    try:
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    except ImportError:  # what it checks: a subclass that flattens into inner tensors
+        return bool(torch.__future__.get_swap_module_params_on_conversion() or hasattr(tensor, "__tensor_flatten__"))
+    return bool(torch.__future__.get_swap_module_params_on_conversion() or is_traceable_wrapper_subclass(tensor))
+
+
+def reset_sharded_params(module: nn.Module) -> None:
+    """After the sharded tensors of the FSDP2 unit ``module`` were replaced, refresh FSDP's view of each of its
+    parameters (the padded local shard and the reference), as ``FSDPModule._apply`` does after ``to_empty``."""
+    try:
+        state = cast(Any, module)._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch < 2.10: at most one group per module
+            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.reset_sharded_param()
+    except AttributeError as err:
+        raise _requirement("FSDPParam.reset_sharded_param", "meta-device initialisation of a sharded model", err) from err
+
+
+def spectral_norm_vectors(parametrization: nn.Module, weight: torch.Tensor) -> bool:
+    """Re-derive ``spectral_norm``'s power-iteration vectors ``_u``/``_v`` (buffers) from ``weight`` as its
+    ``__init__`` does: random unit vectors, then 15 power iterations. ``False`` if it is not torch's spectral norm."""
+    import torch.nn.functional as F
+
+    try:
+        from torch.nn.utils.parametrizations import _SpectralNorm
+    except ImportError:  # then its buffers count as not re-derived, and materialisation says so
+        return False
+    if not isinstance(parametrization, _SpectralNorm):
+        return False
+    if weight.ndim > 1:
+        mat = parametrization._reshape_weight_to_matrix(weight)
+        u = mat.new_empty(mat.shape[0]).normal_(0, 1)
+        v = mat.new_empty(mat.shape[1]).normal_(0, 1)
+        parametrization._u.copy_(F.normalize(u, dim=0, eps=parametrization.eps))
+        parametrization._v.copy_(F.normalize(v, dim=0, eps=parametrization.eps))
+        parametrization._power_method(mat, 15)
+    return True
+
+
+def metric_states(metric: nn.Module) -> dict[str, tuple[Any, Any, bool]]:
+    """A ``torchmetrics.Metric``'s table of states: name → (reset default, ``dist_reduce_fx``, persistent)."""
+    m = cast(Any, metric)
+    return {name: (default, m._reductions[name], bool(m._persistent[name])) for name, default in m._defaults.items()}
+
+
+def set_metric_defaults(metric: nn.Module, defaults: dict[str, Any], device: torch.device) -> None:
+    """Make ``defaults`` (tensors, or ``[]`` for list states) a metric's reset defaults and its current states, on
+    ``device``, and record ``device`` as the one the metric computes on."""
+    m = cast(Any, metric)
+    for name, default in defaults.items():
+        value: Any = default.detach().to(device) if isinstance(default, torch.Tensor) else []
+        m._defaults[name] = value
+        setattr(m, name, value.clone() if isinstance(value, torch.Tensor) else [])
+    m._device = torch.device(device)
 
 
 # -- what works on this installation ------------------------------------------------------------------------------------

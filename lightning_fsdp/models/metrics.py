@@ -1,7 +1,7 @@
 """Validation metrics for the example models: torchmetrics objects kept outside the module tree.
 
-A model materialised from the meta device goes through ``to_empty``, which would leave metric states (and their
-reset defaults) as uninitialised memory, so the metrics are not submodules. Each metric moves to the device of the
+Materialising a meta-device model leaves real metric states alone, but the example models keep their metrics off
+the module tree all the same: they are no part of the sharded model, its summaries or its checkpoints. Each metric moves to the device of the
 first batch it sees, and ``compute`` synchronises the ranks (a collective: every rank calls it).
 """
 

@@ -6,19 +6,21 @@
 :mod:`.compile`             ``torch.compile`` of each unit's forward (names kept; errors name the unit)
 :mod:`.parallelize`         activation checkpointing → compile → ``fully_shard`` bottom-up → the root, in that order
 :mod:`.materialize`         meta-device models: parameters on meta and real buffers while building, then each rank
-                            allocates and initialises only its shards (pluggable initialisers)
+                            allocates its shards of what is on meta (nothing else) and initialises them
+:mod:`.init_rules`          how each module is initialised: ``reset_parameters()``, torch's ``_reset_parameters()``,
+                            parametrizations (:mod:`.parametrized`); torchmetrics states (:mod:`.metric_states`)
 ==========================  ==========================================================================================
 """
 
 from lightning_fsdp.sharding.compile import CompileArg, CompileError, compile_units
-from lightning_fsdp.sharding.materialize import (
+from lightning_fsdp.sharding.init_rules import (
     DEFAULT_RULES,
     InitRule,
-    has_meta_tensors,
-    materialize_meta_module,
-    parameters_on_meta,
+    private_reset_parameters_rule,
     reset_parameters_rule,
 )
+from lightning_fsdp.sharding.materialize import has_meta_tensors, materialize_meta_module, parameters_on_meta
+from lightning_fsdp.sharding.parametrized import parametrization_rule
 from lightning_fsdp.sharding.parallelize import Sharded, ShardingPlan, apply_activation_checkpointing, parallelize, shard_model
 from lightning_fsdp.sharding.policy import (
     AUTO,
@@ -47,6 +49,8 @@ __all__ = [
     "materialize_meta_module",
     "parallelize",
     "parameters_on_meta",
+    "parametrization_rule",
+    "private_reset_parameters_rule",
     "reset_parameters_rule",
     "resolve_policy",
     "select_units",

@@ -1,12 +1,18 @@
 """Meta-device models made real after sharding: each rank allocates and initialises only its own shards.
 
-A model built under the strategy's init contexts has its parameters on the meta device (no memory) while its
-buffers stay real: buffers that are computed rather than stored (rotary frequencies, causal masks) keep the
-values their ``__init__`` computed (:func:`parameters_on_meta`). After ``fully_shard``, :func:`materialize_meta_module`
-allocates the local shards (``to_empty``), puts the real buffers back, and initialises every module that owns
-meta tensors with the first :data:`InitRule` that claims it. The package's default rule is the module's own
-``reset_parameters()``; integrations add theirs (e.g. Hugging Face's ``_init_weights``, PEFT's adapter init).
-A module that no rule claims is named in a ``TypeError`` before anything is allocated.
+**The rule: materialisation touches only what is on the meta device.** Under the strategy's init contexts
+(:func:`parameters_on_meta`) parameters go to the meta device and everything else stays real: buffers computed in
+``__init__`` (rotary frequencies, causal masks) keep their values, torchmetrics states and reset defaults are real
+tensors. After ``fully_shard``, :func:`materialize_meta_module` allocates each meta parameter and buffer on the
+module that owns it, one tensor at a time: ``to_empty(recurse=False)`` restricted to meta tensors. A sharded
+parameter gets only this rank's shard (FSDP2 then re-reads it), a tied one stays one ``Parameter``. No real tensor,
+and no ``Module._apply`` override (``torchmetrics.Metric`` maps its states *and* its reset defaults through it),
+ever goes through ``to_empty``. Then every module that owns meta tensors, and every module whose own initialiser
+reaches below it (``nn.Transformer``), is initialised children before parents (the order ``__init__`` initialises
+them) by the first :data:`InitRule` that claims it: the integrations' (Hugging Face's ``_init_weights``, PEFT's
+adapters), then parametrizations, ``reset_parameters()`` and torch's private ``_reset_parameters()``
+(:mod:`.init_rules`). A module that no rule claims is named in a ``TypeError`` before anything is allocated. A
+metric whose states were created on meta (inside ``torch.device("meta")``) is rebuilt (:mod:`.metric_states`).
 """
 
 from __future__ import annotations
@@ -19,24 +25,19 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
-from lightning_fsdp._torch_compat import distributed_rng_supported
+from lightning_fsdp._torch_compat import (
+    distributed_rng_supported,
+    private_reset_parameters,
+    reset_sharded_params,
+    swaps_on_conversion,
+)
+from lightning_fsdp.sharding.init_rules import DEFAULT_RULES, InitRule
+from lightning_fsdp.sharding.metric_states import plan_metric_states
+from lightning_fsdp.sharding.parametrized import parametrized_host
 from lightning_fsdp.sharding.units import tied_aliases
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-#: ``rule(model, name, module)`` → ``(key, init)`` if the rule initialises ``module``, else ``None``. Modules that
-#: return the same ``key`` are initialised by one call (e.g. an adapter's A and B matrices).
-InitRule = Callable[[nn.Module, str, nn.Module], Optional[tuple[object, Callable[[], None]]]]
-
-
-def reset_parameters_rule(model: nn.Module, name: str, module: nn.Module) -> Optional[tuple[object, Callable[[], None]]]:
-    """The module's own ``reset_parameters()`` (torch's layers and most hand-written modules)."""
-    reset = getattr(module, "reset_parameters", None)
-    return (id(module), reset) if callable(reset) else None
-
-
-DEFAULT_RULES: tuple[InitRule, ...] = (reset_parameters_rule,)
 
 
 @contextmanager
@@ -65,19 +66,19 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def has_meta_tensors(model: nn.Module) -> bool:
-    return any(t.is_meta for t in _tensors(model, recurse=True))
+    return any(t.is_meta for _, t in _named_tensors(model, recurse=True))
 
 
 def modules_needing_init(model: nn.Module, loaded: Collection[str] = ()) -> list[tuple[str, nn.Module]]:
-    """Modules that own meta tensors directly, except where every one of them is about to be loaded (``loaded``:
-    fully qualified names of parameters and buffers that pretrained weights will overwrite)."""
+    """Modules that own meta tensors directly, and modules whose private ``_reset_parameters()`` initialises the
+    meta tensors below them (``nn.Transformer``), children before parents; except where every meta tensor is about
+    to be loaded (``loaded``: fully qualified names of parameters and buffers that pretrained weights overwrite)."""
     out = []
-    for name, module in model.named_modules():
-        meta = [
-            f"{name}.{n}" if name else n
-            for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-            if t is not None and t.is_meta
-        ]
+    for name, module in _children_first(model):
+        prefix = f"{name}." if name else ""
+        meta = [f"{prefix}{n}" for n, t in _named_tensors(module, recurse=False) if t.is_meta]
+        if not meta and private_reset_parameters(module) is not None:
+            meta = [f"{prefix}{n}" for n, t in _named_tensors(module, recurse=True) if t.is_meta]
         if meta and not all(n in loaded for n in meta):
             out.append((name, module))
     return out
@@ -87,7 +88,7 @@ def plan_initialization(
     model: nn.Module, rules: Sequence[InitRule] = DEFAULT_RULES, loaded: Collection[str] = ()
 ) -> list[tuple[Callable[[], None], list[str]]]:
     """The initialisers to run after allocation, one per claimed key, each with the names of the modules it
-    initialises; a ``TypeError`` naming unclaimed modules."""
+    initialises; a ``TypeError`` naming unclaimed modules (a parametrization by the module it parametrizes)."""
     inits: dict[object, tuple[Callable[[], None], list[str]]] = {}
     missing: list[str] = []
     for name, module in modules_needing_init(model, loaded):
@@ -97,11 +98,12 @@ def plan_initialization(
                 inits.setdefault(claimed[0], (claimed[1], []))[1].append(name)
                 break
         else:
-            missing.append(type(module).__name__)
+            host = parametrized_host(model, name, module)
+            missing.append(type(module if host is None else host).__name__)
     if missing:
         raise TypeError(
             f"Cannot initialise a model created on the meta device: {sorted(set(missing))} own parameters or buffers"
-            " but define no `reset_parameters()` (and no library initialiser claims them). Add a"
+            " but define no `reset_parameters()` (and no library or torch initialiser claims them). Add a"
             " `reset_parameters()` that initialises them, load them with `pretrained_weights`, or build the model"
             " outside `configure_model` / `init_module(empty_init=True)`."
         )
@@ -115,29 +117,69 @@ def materialize_meta_module(
     rules: Sequence[InitRule] = DEFAULT_RULES,
     loaded: Collection[str] = (),
 ) -> None:
-    """Allocate a (sharded) meta-device model on ``device`` and initialise it shard by shard.
+    """Allocate the meta tensors of a (sharded) model and initialise them shard by shard.
 
-    ``to_empty`` allocates only each rank's local shards (and moves buffers); real buffers get their values back;
-    then each claimed module is initialised (on DTensors, so each rank initialises its own shard). A quantized
-    weight is initialised through a full-precision stand-in, then quantized (:func:`~lightning_fsdp.sharding
-    .quantize.standins`).
+    Meta parameters are allocated on ``device`` (each rank its local shards), meta buffers where the model computes
+    (the mesh's device; ``device`` without a mesh). Then each claimed module is initialised (on DTensors, so each
+    rank initialises its own shard). A quantized weight is initialised through a full-precision stand-in, then
+    quantized (:func:`~lightning_fsdp.sharding.quantize.standins`). Metrics with meta states are rebuilt last.
     """
-    from lightning_fsdp.sharding.quantize import standins
+    from lightning_fsdp.sharding.quantize import device_of, standins
 
-    if not has_meta_tensors(model):
+    metrics = plan_metric_states(model)  # raises before anything is allocated
+    if not has_meta_tensors(model) and not metrics:
         return
     inits = plan_initialization(model, rules, loaded)  # raises before anything is allocated
-    real_buffers = {name: b for name, b in model.named_buffers() if not b.is_meta}
+    compute_device = device_of(mesh) if mesh is not None else device
     ties = tied_aliases(model)
-    model.to_empty(device=device)
-    _retie(model, ties)  # ``to_empty`` replaces a plain (unsharded) parameter once per module that holds it
+    _allocate_meta_tensors(model, device, compute_device)
+    _retie(model, ties)  # a plain (unsharded) tied parameter is allocated once per module that holds it
     with torch.no_grad():
-        for name, value in real_buffers.items():
-            model.get_buffer(name).copy_(value)
         with _distinct_shard_rng(mesh):
             for init, modules in inits:
                 with standins(model, modules, loaded):
                     init()
+        _zero_sharded_padding_rows(model, [name for _, modules in inits for name in modules])
+    for restore in metrics:
+        restore(compute_device)
+
+
+def _allocate_meta_tensors(model: nn.Module, device: torch.device, buffer_device: torch.device) -> None:
+    """``to_empty(recurse=False)`` of every module, for its meta tensors only: a parameter is swapped in place or
+    replaced as ``Module._apply`` does (a DTensor keeps its identity); then each FSDP unit re-reads its shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                empty = torch.empty_like(param, device=device)
+                allocated = nn.Parameter(empty, requires_grad=param.requires_grad)
+                if swaps_on_conversion(empty):
+                    torch.utils.swap_tensors(param, allocated)
+                else:
+                    setattr(module, name, allocated)
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                setattr(module, name, torch.empty_like(buffer, device=buffer_device))
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            reset_sharded_params(module)
+
+
+def _zero_sharded_padding_rows(model: nn.Module, initialised: list[str]) -> None:
+    """``nn.Embedding(padding_idx=i)`` starts with row ``i`` zero. On a sharded weight, ``reset_parameters()``'s
+    (and Hugging Face's) ``weight[i].fill_(0)`` writes into a gathered copy, so the rank holding the row zeroes it."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_fsdp.parallel.mesh import local_rows, local_shard
+
+    for name in initialised:
+        module = model.get_submodule(name)
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.padding_idx is not None:
+            if isinstance(module.weight, DTensor):
+                start, stop = local_rows(module.weight)
+                if start <= module.padding_idx < stop:
+                    local_shard(module.weight)[module.padding_idx - start].zero_()
 
 
 def _retie(model: nn.Module, ties: dict[str, str]) -> None:
@@ -150,9 +192,25 @@ def _retie(model: nn.Module, ties: dict[str, str]) -> None:
             module.register_parameter(attr, shared)
 
 
-def _tensors(module: nn.Module, recurse: bool) -> Iterator[torch.Tensor]:
-    yield from module.parameters(recurse=recurse)
-    yield from (b for b in module.buffers(recurse=recurse) if b is not None)
+def _named_tensors(module: nn.Module, recurse: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(recurse=recurse)
+    yield from ((n, b) for n, b in module.named_buffers(recurse=recurse) if b is not None)
+
+
+def _children_first(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``named_modules()`` (each module once) in post-order: a module after everything below it."""
+    seen: set[int] = set()
+    out: list[tuple[str, nn.Module]] = []
+
+    def visit(name: str, module: nn.Module) -> None:
+        seen.add(id(module))
+        for child_name, child in module.named_children():
+            if id(child) not in seen:
+                visit(f"{name}.{child_name}" if name else child_name, child)
+        out.append((name, module))
+
+    visit("", model)
+    return out
 
 
 @contextmanager
