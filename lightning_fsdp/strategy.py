@@ -52,7 +52,7 @@ TRAINER_WORDING = FixWording(
 )
 
 
-class FSDPCustomStrategy(RuntimeHolder, MeshStrategy):
+class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrategy):
     """Fully Sharded Data Parallel (FSDP2, ``fully_shard``) for any LightningModule, with no model changes.
 
     Args:
@@ -168,6 +168,18 @@ class FSDPCustomStrategy(RuntimeHolder, MeshStrategy):
         self._precision_plugin = adopted
 
     # -- model -------------------------------------------------------------------------------------------------------
+    @override
+    def on_lightning_module(self, module: Optional[pl.LightningModule]) -> None:
+        """``fit(torch.compile(model))`` is refused here, before any process starts (on every rank that runs it)."""
+        if module is not None and compat.uncompile(module):
+            raise TypeError(
+                f"{type(self).__name__} got a `torch.compile`d module. FSDP2 shards the plain module's parameters and"
+                " the strategy compiles each FSDP unit's block itself, after activation checkpointing and before"
+                " sharding. Pass the plain LightningModule and `compile=True` to the strategy, or the torch.compile"
+                " options: `FSDPCustomStrategy(compile={'fullgraph': True, 'mode': 'max-autotune'})` (in a config:"
+                " `strategy.compile`). The module you passed has its own methods back."
+            )
+
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
