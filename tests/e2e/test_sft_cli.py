@@ -57,11 +57,11 @@ def _args(inputs: dict[str, Path], devices: int, batch: int, accumulate: int, st
     ]
 
 
-def _run(inputs: dict[str, Path], name: str, args: list[str]) -> Path:
+def _run(inputs: dict[str, Path], name: str, args: list[str], task: str = "finetune_hf_lora") -> Path:
     cwd = inputs["root"] / name
     cwd.mkdir()
     check(cli(args, cwd))
-    return only_run_dir(cwd, "finetune_hf_lora")
+    return only_run_dir(cwd, task)
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -166,3 +166,27 @@ def test_lightning_cli_takes_the_data_module_and_the_model(inputs, tmp_path):
                       cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "Fine-tuning data train:" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_run_stopped_mid_epoch_on_1_rank_resumes_on_2_ranks(inputs, runs):
+    stopped = _run(inputs, "stopped1", _args(inputs, 1, 4, 1, steps=3))
+    [checkpoint] = (stopped / "checkpoints").glob("step000003*")
+    resumed = _run(inputs, "resumed2", [*_args(inputs, 2, 2, 1), f"ckpt_path={checkpoint}"])
+    losses = [v for _, v in logged(stopped, "train_loss") + logged(resumed, "train_loss")]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor([v for _, v in logged(runs["1x4"], "train_loss")]))
+    torch.testing.assert_close(_final_weights(resumed), _final_weights(runs["1x4"]))
+
+
+@pytest.mark.slow
+def test_qlora_takes_the_data_module_as_typed(inputs, tmp_path):
+    """`experiment=finetune_hf_qlora ... data=sft`: a base whose projections hold whole NF4 blocks on 2 ranks."""
+    model = write_chat_llama(tmp_path / "qlora_base", make_tokenizer("chatml"), hidden_size=256,
+                             intermediate_size=512, num_attention_heads=4, num_key_value_heads=4)
+    args = [a for a in _args({**inputs, "model": model}, 2, 2, 1, steps=4) if not a.startswith(("model.lora", "model.lr",
+                                                                                                    "export."))]
+    args[1] = "experiment=finetune_hf_qlora"
+    run = _run(inputs, "qlora", [*args, "export.formats=[peft]"], task="finetune_hf_qlora")
+    losses = [v for _, v in logged(run, "train_loss")]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    assert (run / "export" / "adapter" / "adapter_config.json").is_file()

@@ -283,3 +283,37 @@ def test_bad_input_is_named_before_any_work(chat_files, tmp_path, caplog):
     with pytest.raises(ValueError, match=r"No training sample is left after filtering: 4 dropped \(nothing to train\)"):
         SFTDataModule(tmp_path / "no_answers.jsonl", model, seq_len=64, val_fraction=0.0,
                       cache_dir=tmp_path / "c").prepare_data()
+
+
+def test_every_file_kind_a_folder_and_a_saved_data_set_read_alike(chat_files, tmp_path):
+    """The same prompt/completion rows as .jsonl, .json, .parquet, .csv, a folder, a save_to_disk directory (and
+    text as .txt, one sample per paragraph) give the same tokens."""
+    import datasets
+
+    _, model, _ = chat_files
+    rows = [{"prompt": f"alpha {i}", "completion": f" beta {i}"} for i in range(12)]
+    table = datasets.Dataset.from_list(rows)
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    table.to_parquet(str(tmp_path / "rows.parquet"))
+    table.to_csv(str(tmp_path / "rows.csv"), index=False)
+    write_jsonl(tmp_path / "folder" / "a.jsonl", rows[:5])
+    write_jsonl(tmp_path / "folder" / "b.jsonl", rows[5:])
+    table.save_to_disk(str(tmp_path / "saved"))
+    tokens = {}
+    for name in ("rows.jsonl", "rows.json", "rows.parquet", "rows.csv", "folder", "saved"):
+        dm = SFTDataModule(tmp_path / name, model, seq_len=64, val_fraction=0.0, packing=False, cache_dir=tmp_path / "c")
+        dm.setup()
+        assert dm.recipe.fmt == "prompt_completion", name
+        tokens[name] = [dm.train_set[i]["input_ids"].tolist() for i in range(len(dm.train_set))]
+    assert all(t == tokens["rows.jsonl"] for t in tokens.values()) and len(tokens["rows.jsonl"]) == 12
+    (tmp_path / "notes.txt").write_text("alpha beta\n\ngamma delta\nriver\n\nstone")
+    text = SFTDataModule(tmp_path / "notes.txt", model, seq_len=64, val_fraction=0.0, packing=False,
+                         cache_dir=tmp_path / "c")
+    text.setup()
+    assert text.recipe.fmt == "text" and len(text.train_set) == 3
+    (tmp_path / "mixed").mkdir()
+    write_jsonl(tmp_path / "mixed" / "a.jsonl", rows)
+    (tmp_path / "mixed" / "b.csv").write_text("prompt,completion\na,b\n")
+    with pytest.raises(ValueError, match="mixes file types"):
+        SFTDataModule(tmp_path / "mixed", model)
