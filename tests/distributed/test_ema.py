@@ -53,6 +53,7 @@ def assert_same_params(result, reference, keys=None):
         torch.testing.assert_close(result["params"][name], reference["params"][name], msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow  # CI: the 2-rank cases cover the sharded average by default
 def test_sharded_ema_at_four_ranks_equals_lightning_ema_with_a_quarter_per_rank(four, reference):
     torch.testing.assert_close(torch.tensor(four["losses"]), torch.tensor(reference["losses"]))
     assert four["params"].keys() == reference["params"].keys()
@@ -72,6 +73,7 @@ def test_sharded_ema_at_two_ranks_in_cpu_memory_equals_lightning_ema(workdir, re
     assert two["ema_devices"] == ["cpu"]
 
 
+@pytest.mark.slow
 def test_ema_resumes_resharded_from_four_ranks_to_two_and_saves_full_files(workdir, four, reference):
     """Resume the 4-rank step-4 checkpoint on 2 ranks: the average continues exactly; its full-format saves hold
     the average as plain tensors under ``ema_state_dict``."""
