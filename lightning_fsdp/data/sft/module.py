@@ -17,7 +17,7 @@ from lightning_fsdp.data.sft.encoding import RowEncoder
 from lightning_fsdp.data.sft.formats import TRAIN_ON, detect_format, needs_chat_template, row_messages
 from lightning_fsdp.data.sft.packing import PackedRows, SampleRows, collate_rows
 from lightning_fsdp.data.sft.prepared import PreparedSet, Recipe, describe, prepare
-from lightning_fsdp.data.sft.source import column_names, load_source
+from lightning_fsdp.data.sft.source import column_names
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ class SFTDataModule(SplitDataModule):
         self.seq_len, self.packing = int(seq_len), bool(packing)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
         self.prepared: Optional[PreparedSet] = None
+        self._prepared_root: Optional[Path] = None  # known once prepare_data ran here: the files are hashed once
 
     def _pad_id(self) -> int:
         tok = self.tokenizer
@@ -118,12 +119,13 @@ class SFTDataModule(SplitDataModule):
     # -- Lightning's hooks --------------------------------------------------------------------------------------------
     def prepare_data(self) -> None:
         """Tokenize once (Lightning calls this on one process per node; the others wait)."""
-        prepare(self.recipe, self.encoder, self.cache_dir, self.num_proc)
+        self._prepared_root = prepare(self.recipe, self.encoder, self.cache_dir, self.num_proc)
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.prepared is not None:
             return
-        prepared = PreparedSet.open(prepare(self.recipe, self.encoder, self.cache_dir, self.num_proc))
+        root = self._prepared_root or prepare(self.recipe, self.encoder, self.cache_dir, self.num_proc)
+        prepared = PreparedSet.open(root)
         self.prepared = prepared
         if self.trainer is None or self.trainer.is_global_zero:
             log.warning("Fine-tuning data %s", describe(prepared.stats))
@@ -181,10 +183,6 @@ class SFTDataModule(SplitDataModule):
     def decode(self, ids: Any) -> str:
         values = ids.flatten().tolist() if isinstance(ids, Tensor) else list(ids)
         return str(self.tokenizer.decode(values, skip_special_tokens=True))
-
-    def source(self) -> Any:
-        """The raw training table (``datasets.Dataset``), e.g. to inspect it."""
-        return load_source(self.recipe.path, self.cache_dir / "sources")
 
 
 def _check_model(directory: Path, tokenizer: Any, seq_len: int) -> None:
