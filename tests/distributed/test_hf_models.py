@@ -1,9 +1,9 @@
 """The Hugging Face models people fine-tune, as users write them: ``self.model(input_ids=x).logits`` with the
 model's default config (``use_cache=True``), built on the meta device, loaded with ``pretrained_weights=<dir>``.
 
-- a Llama whose head is tied to the embedding (the files hold the tensor once) under activation checkpointing,
-  eager and compiled, equals ``from_pretrained`` in one eager process; the tie survives the checkpoint, a resume at
-  another world size and the export;
+- a Llama whose head is tied to the embedding (the files hold the tensor once) under activation checkpointing
+  equals ``from_pretrained`` in one eager process (compiled: in one process compiled alike); the tie survives the
+  checkpoint, a resume at another world size and the export;
 - Mistral, Mixtral and Qwen2-MoE (whose experts transformers fuses while loading) equal ``from_pretrained``; the
   Mixtral export is what ``save_pretrained`` writes, and loading it adds well under a full copy per rank.
 
@@ -140,11 +140,18 @@ def test_tied_llama_resumes_on_another_world_size_and_exports_tied(tied_run, tmp
         assert torch.equal(value, resumed["params"]["model." + name]), name
 
 
-def test_compiled_blocks_with_activation_checkpointing_equal_one_eager_process(models, references, tmp_path):
-    spec = {**_sharded(models["tied_llama"], activation_checkpointing_policy="auto", compile=True),
-            "count_compiles_after": 2, "save_path": str(tmp_path / "compiled.ckpt")}
-    run = train(spec, tmp_path, "compiled", timeout=400)
-    assert_parity(run, references["tied_llama"])
+@pytest.mark.slow  # the default suite compiles a sharded model in tests/distributed/test_parity.py
+def test_compiled_blocks_with_activation_checkpointing_equal_one_process(models, tmp_path):
+    """Against one process whose decoder layers are checkpointed and compiled as the strategy does (inductor's fused
+    kernels may round differently from eager by more than fp32's default tolerances on some CPUs)."""
+    kwargs = {"activation_checkpointing_policy": "auto", "compile": True}
+    spec = {**_sharded(models["tied_llama"], **kwargs), "count_compiles_after": 2,
+            "save_path": str(tmp_path / "compiled.ckpt")}
+    hf = {"model_dir": str(models["tied_llama"]), "from_pretrained": True, "lr": LR, "loss_chunk": None}
+    reference = {"strategy": "auto", "devices": 1, "batch_size": GLOBAL_BATCH, "max_steps": STEPS, "hf": hf,
+                 "compile_like_strategy": kwargs}
+    run, one = train(spec, tmp_path, "compiled", timeout=400), train(reference, tmp_path, "compiled_one", timeout=400)
+    assert_parity(run, one)
     keys = _checkpoint_keys(tmp_path / "compiled.ckpt")  # compiled units keep their eager names
     assert "state_dict/model.model.layers.0.self_attn.q_proj.weight" in keys and not any("_orig_mod" in k for k in keys)
     graphs = run["compiled_graphs"]

@@ -218,6 +218,19 @@ def ema_callback(spec: dict, ours: bool) -> Callback | None:
     return EMAWeightAveraging(**spec["ema"])
 
 
+def compile_like_strategy(model: torch.nn.Module, *, activation_checkpointing_policy, compile=True) -> None:
+    """Checkpoint and compile the blocks of a one-process model as ``FSDPCustomStrategy`` does its units (the same
+    functions, in the same order), so a compiled sharded run has a reference built from the same inductor kernels:
+    fused kernels may round differently from eager by more than fp32's default tolerances on some CPUs."""
+    from lightning_fsdp.sharding import compile_units
+    from lightning_fsdp.sharding.parallelize import apply_activation_checkpointing
+
+    if hasattr(model, "configure_model"):  # a module that builds its network there (idempotent)
+        model.configure_model()
+    units = apply_activation_checkpointing(model, activation_checkpointing_policy)
+    compile_units(model, units, compile)
+
+
 def main(spec: dict) -> None:
     L.seed_everything(spec.get("seed", 0), workers=True)
     # the reference for the frozen weights' dtype: them kept in fp32 under *-mixed, as the package once did
@@ -278,6 +291,8 @@ def main(spec: dict) -> None:
     )
     with trainer.init_module(empty_init=empty_init):
         model, vocab, seq = build_model(spec)
+    if spec.get("compile_like_strategy"):  # a one-process reference whose blocks run the strategy's compiled code
+        compile_like_strategy(model, **spec["compile_like_strategy"])
     data = spec.get("data", {})
     train_loader = loader(data.get("n", 64), spec.get("batch_size", 4), vocab, seq, data.get("seed", 0),
         reference_order=not isinstance(trainer.strategy, lightning_fsdp.FSDPCustomStrategy) and trainer.world_size == 1,
