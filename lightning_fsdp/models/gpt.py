@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
+from torchmetrics import MeanMetric
 
+from lightning_fsdp.loss import check_chunk_tokens, chunked_causal_lm_eval, chunked_causal_lm_loss
 from lightning_fsdp.models.gpt_config import GPTConfig, count_params, get_preset
 from lightning_fsdp.models.metrics import ValidationMetrics
 
@@ -156,12 +158,19 @@ class GPT(nn.Module):
         self.head = None if config.tie_weights else NormalLinear(config.d_model, config.vocab_size, 0.02)
 
     def forward(self, idx: Tensor) -> Tensor:
+        return self.project(self.hidden_states(idx))
+
+    def hidden_states(self, idx: Tensor) -> Tensor:
+        """The final hidden states (after the last norm): what the chunked loss projects a chunk at a time."""
         cos, sin = self.rotary(idx.shape[1], idx.device)
         x = self.drop(self.tok_emb(idx))
         for block in self.blocks:
             x = block(x, cos, sin)
-        x = self.norm(x)
-        return F.linear(x, self.tok_emb.weight) if self.head is None else self.head(x)
+        return self.norm(x)
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """The output projection: the head, or the embedding matrix when tied."""
+        return F.linear(hidden, self.tok_emb.weight) if self.head is None else self.head(hidden)
 
 
 # -- the LightningModule ------------------------------------------------------------------------------------------
@@ -176,9 +185,13 @@ class GPTLightningModule(L.LightningModule):
         warmup_steps: linear warmup length in optimizer steps.
         max_steps: length of the cosine decay; ``None`` uses ``trainer.estimated_stepping_batches``.
         min_lr_ratio: the learning rate decays to ``lr * min_lr_ratio``.
+        loss_chunk: tokens per chunk of the loss (:func:`~lightning_fsdp.loss.chunked_causal_lm_loss`), so the whole
+            logits never exist (long contexts, wide vocabularies); ``None`` (the default: a byte vocabulary's logits
+            are small) computes them whole.
 
-    Logs ``train_loss``/``train_ppl``/``train_acc`` every step (averaged over ranks) and ``val_loss``/``val_ppl``/
-    ``val_acc`` per validation run (torchmetrics, synchronised across ranks on ``compute``).
+    Logs ``train_loss``/``train_ppl``/``train_acc`` every step (averaged over ranks; ``train_acc`` needs the whole
+    logits, so not with ``loss_chunk``) and ``val_loss``/``val_ppl``/``val_acc`` per validation run (torchmetrics,
+    synchronised across ranks on ``compute``).
     """
 
     def __init__(
@@ -197,12 +210,21 @@ class GPTLightningModule(L.LightningModule):
         warmup_steps: int = 20,
         max_steps: Optional[int] = None,
         min_lr_ratio: float = 0.1,
+        loss_chunk: Optional[int] = None,
     ) -> None:
         super().__init__()
+        if loss_chunk is not None:
+            check_chunk_tokens(loss_chunk)
         self.save_hyperparameters()
         self.config = GPTConfig(vocab_size, n_layer, n_head, d_model, seq_len, mlp_ratio, dropout, tie_weights)
         self.net: Optional[GPT] = None
-        self._val_metrics = ValidationMetrics(vocab_size, perplexity=True)  # outside the module tree: see metrics.py
+        self.loss_chunk = loss_chunk
+        # outside the module tree: see metrics.py. Chunked, the perplexity is exp(the token-mean loss), which equals
+        # torchmetrics' Perplexity over the whole logits
+        self._val_metrics = (
+            ValidationMetrics(vocab_size, perplexity=True) if loss_chunk is None
+            else ValidationMetrics.named(loss=MeanMetric(), acc=MeanMetric())
+        )
 
     @classmethod
     def from_preset(cls, name: str, **kwargs: Any) -> GPTLightningModule:
@@ -231,9 +253,25 @@ class GPTLightningModule(L.LightningModule):
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         return loss, logits, y
 
+    def _network(self) -> GPT:
+        if self.net is None:
+            self.configure_model()
+        assert self.net is not None
+        return self.net
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         from torchmetrics.functional.classification import multiclass_accuracy
 
+        if self.loss_chunk is not None:
+            net = self._network()
+            total, count = chunked_causal_lm_loss(
+                net.hidden_states(batch[0]), net.project, batch[1], chunk_tokens=self.loss_chunk, shift=False
+            )
+            loss = total / count  # every rank has the same number of target tokens, so rank means average exactly
+            mean = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
+            self.log("train_loss", mean, prog_bar=True)
+            self.log("train_ppl", mean.exp())
+            return loss
         loss, logits, y = self._shared_step(batch)
         acc = multiclass_accuracy(logits.detach().argmax(-1), y, self.config.vocab_size, average="micro")
         # one all-reduce for both values; every rank sees the same tokens-per-batch, so a mean is exact
@@ -244,6 +282,15 @@ class GPTLightningModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        if self.loss_chunk is not None:
+            net = self._network()
+            total, count, correct = chunked_causal_lm_eval(
+                net.hidden_states(batch[0]), net.project, batch[1], chunk_tokens=self.loss_chunk, shift=False
+            )
+            metrics = self._val_metrics.on(total.device)
+            metrics["loss"].update(total / count, weight=count)
+            metrics["acc"].update(correct / count, weight=count)
+            return
         loss, logits, y = self._shared_step(batch)
         metrics = self._val_metrics.on(logits.device)
         metrics["loss"].update(loss.detach(), weight=y.numel())
@@ -252,6 +299,8 @@ class GPTLightningModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         values = self._val_metrics.compute_and_reset()  # collective: syncs ranks
+        if "ppl" not in values:
+            values["ppl"] = values["loss"].exp()
         self.log("val_loss", values["loss"], prog_bar=True, sync_dist=True)
         self.log("val_ppl", values["ppl"], sync_dist=True)
         self.log("val_acc", values["acc"], sync_dist=True)

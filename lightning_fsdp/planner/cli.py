@@ -90,15 +90,28 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=int, default=1, help="per rank")
     run.add_argument("--activation-checkpointing", action="store_true")
     run.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
-    run.add_argument("--loss-chunk", default=str(DEFAULT_CHUNK_TOKENS),
-                     help="Hugging Face models: tokens per chunk of the loss (HFCausalLM's loss_chunk), or 'none' for"
-                          f" the whole logits (default {DEFAULT_CHUNK_TOKENS})")
+    run.add_argument("--loss-chunk", default=None,
+                     help="tokens per chunk of the loss (the models' loss_chunk), or 'none' for the whole logits;"
+                          f" default: the model's own (--hf-config: {DEFAULT_CHUNK_TOKENS}, as HFCausalLM; --config:"
+                          " its loss_chunk; otherwise the GPT example's whole logits)")
     run.add_argument("--max-seq", action="store_true",
                      help="with --device-memory: the longest sequence (per sample) that fits, by bisection")
     run.add_argument("--device-memory", help="per-rank memory to check against, e.g. 80GiB, 24GB, 512MiB")
     run.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="share of device memory kept free")
     run.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p
+
+
+def loss_chunk_of(args: argparse.Namespace) -> Optional[int]:
+    """``--loss-chunk``, or the loss the described model computes by default."""
+    if args.loss_chunk is not None:
+        return _loss_chunk(args.loss_chunk)
+    if args.hf_config is not None:
+        return DEFAULT_CHUNK_TOKENS
+    if args.config is not None:
+        chunk = load_config(args.config).get("loss_chunk")
+        return None if chunk is None else check_chunk_tokens(int(chunk))
+    return None
 
 
 def _loss_chunk(text: str) -> Optional[int]:
@@ -182,7 +195,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             world_size=args.world_size, replicate=args.replicate, precision=normalize_precision(args.precision),
             optimizer=args.optimizer, cpu_offload=args.cpu_offload, strategy=args.strategy,
             batch_size=args.batch_size, seq_len=args.seq, activation_checkpointing=args.activation_checkpointing,
-            attention=args.attention, quantize_base=args.quantize_base, loss_chunk=_loss_chunk(args.loss_chunk),
+            attention=args.attention, quantize_base=args.quantize_base, loss_chunk=loss_chunk_of(args),
         )
         if args.max_seq:
             if not args.device_memory:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from lightning_fsdp.planner.geometry import GPTDims, ModelSpec, Param
+from lightning_fsdp.planner.loss import loss_bytes
 from lightning_fsdp.precision import PRECISIONS, normalize_precision
 from lightning_fsdp.sharding import nf4
 from lightning_fsdp.sharding.quantize import METHODS as QUANTIZE_METHODS
@@ -78,8 +79,8 @@ class PlanOptions:
     prefetch: int = 1
     attention: str = "sdpa"
     quantize_base: Optional[str] = None
-    #: tokens per chunk of a chunked loss (Hugging Face models' default, ``HFCausalLM(loss_chunk=...)``); ``None``:
-    #: the whole logits, as the GPT example computes them
+    #: tokens per chunk of a chunked loss (``HFCausalLM``'s default, ``loss_chunk=`` of either example model);
+    #: ``None``: the whole logits (the GPT example's default)
     loss_chunk: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -252,6 +253,7 @@ def gpt_activation_bytes(
     compute_bytes: int = 4,
     activation_checkpointing: bool = False,
     attention: str = "sdpa",
+    loss_chunk: Optional[int] = None,
 ) -> int:
     """Bytes autograd keeps between forward and backward for one rank's batch of a GPT decoder.
 
@@ -263,7 +265,8 @@ def gpt_activation_bytes(
     scores and probabilities instead of the log-sum-exp (``2·h·s`` per token).
     With activation checkpointing each block keeps only its input, and one block is recomputed at a time.
     Outside the blocks: the embedding sum and final norm (2d), and the logits in the compute dtype plus the
-    fp32 copy, log-softmax and its gradient that cross entropy holds (``V·(p + 12)`` bytes when ``p < 4``).
+    fp32 copy, log-softmax and its gradient that cross entropy holds (``V·(p + 12)`` bytes when ``p < 4``), for every
+    token or, with ``loss_chunk``, one chunk at a time (:func:`loss_bytes`).
     """
     s = seq_len or dims.seq_len
     tokens = batch_size * s
@@ -275,9 +278,7 @@ def gpt_activation_bytes(
         blocks = dims.n_layer * d * p + per_layer
     else:
         blocks = dims.n_layer * per_layer
-    logits = dims.vocab_size * (p + (4 if p < 4 else 0) + 4 + 4)
-    outside = 2 * d * p + logits
-    return int(tokens * (blocks + outside))
+    return int(tokens * (blocks + 2 * d * p) + loss_bytes(dims.vocab_size, d, p, tokens, loss_chunk))
 
 
 def activation_bytes(spec: ModelSpec, options: PlanOptions) -> int:
@@ -299,4 +300,5 @@ def activation_bytes(spec: ModelSpec, options: PlanOptions) -> int:
         compute_bytes=compute,
         activation_checkpointing=options.activation_checkpointing,
         attention=options.attention,
+        loss_chunk=options.loss_chunk,
     )

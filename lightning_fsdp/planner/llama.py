@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 
 from lightning_fsdp.planner.dims import DEFAULT_LORA_TARGETS, LlamaDims, LoraSpec
 from lightning_fsdp.planner.geometry import ModelSpec, Param, Unit
+from lightning_fsdp.planner.loss import loss_bytes
 
 #: published configs (facts from the models' config.json files)
 PRESETS: dict[str, dict[str, Any]] = {
@@ -129,16 +130,6 @@ def llama_activation_bytes(
     per_layer = elements * p + stats
     blocks = dims.n_layer * d * p + per_layer if activation_checkpointing else dims.n_layer * per_layer
     return int(tokens * (blocks + 2 * d * p) + loss_bytes(dims.vocab_size, d, p, tokens, loss_chunk))
-
-
-def loss_bytes(vocab: int, d_model: int, compute_bytes: int, tokens: int, loss_chunk: Optional[int]) -> int:
-    """The loss's logits (compute dtype, an fp32 copy, log-softmax and its gradient) for every token, or for one
-    chunk of ``loss_chunk`` tokens plus the hidden states the chunked loss keeps."""
-    p = compute_bytes
-    per_token = vocab * (p + (4 if p < 4 else 0) + 4 + 4)
-    if loss_chunk is None:
-        return tokens * per_token
-    return min(tokens, loss_chunk) * per_token + tokens * d_model * p
 
 
 def with_lora(dims: LlamaDims, rank: Optional[int], targets: Optional[Sequence[str]]) -> LlamaDims:

@@ -181,6 +181,31 @@ def test_gpt_trains_in_a_plain_single_process_trainer(tmp_path):
     assert float(trainer.callback_metrics["val_ppl"]) == pytest.approx(float(trainer.callback_metrics["val_loss"].exp()), rel=1e-4)
 
 
+@pytest.mark.parametrize("tie_weights", [True, False])
+def test_gpt_with_the_chunked_loss_trains_as_with_the_whole_logits(tmp_path, tie_weights):
+    """``loss_chunk`` (7: it divides no batch's 16 × 16 tokens) changes no loss, validation figure or final weight."""
+    tokens = encode(generated_corpus(4_000))
+
+    def fit(loss_chunk):
+        L.seed_everything(0)
+        train = DataLoader(TokenWindows(tokens[:3_000], 16), batch_size=16, shuffle=True, drop_last=True)
+        val = DataLoader(TokenWindows(tokens[3_000:], 16), batch_size=16)
+        model = GPTLightningModule(**{**TINY, "tie_weights": tie_weights}, lr=3e-3, warmup_steps=2, loss_chunk=loss_chunk)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                            limit_val_batches=2, val_check_interval=6)
+        trainer.fit(model, train, val)
+        return trainer.callback_metrics, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    (whole, whole_params), (chunked, chunked_params) = fit(None), fit(7)
+    for name in ("train_loss", "val_loss", "val_ppl", "val_acc"):
+        torch.testing.assert_close(chunked[name], whole[name], msg=name)
+    assert "train_acc" in whole and "train_acc" not in chunked  # accuracy needs the whole logits
+    torch.testing.assert_close(chunked_params, whole_params)
+    with pytest.raises(ValueError, match="positive integer"):
+        GPTLightningModule(**TINY, loss_chunk=0)
+
+
 # -- the CNN -----------------------------------------------------------------------------------------------------------
 def test_cnn_forward_and_auto_policy_units():
     model = ShapesCNN(widths=(8, 8, 16))

@@ -162,6 +162,23 @@ def test_activation_formula_per_layer():
     eager = planner.gpt_activation_bytes(dims, b, attention="eager")
     assert eager - planner.gpt_activation_bytes(dims, b) == b * s * L * (2 * h * s * 4 - h * 4)
     assert planner.gpt_activation_bytes(dims, 2 * b) == 2 * planner.gpt_activation_bytes(dims, b)
+    # GPTLightningModule(loss_chunk=c): one chunk of logits, plus the hidden states the chunked loss keeps
+    chunk = 3
+    saved = planner.gpt_activation_bytes(dims, b) - planner.gpt_activation_bytes(dims, b, loss_chunk=chunk)
+    assert saved == (b * s - chunk) * dims.vocab_size * 12 - b * s * d * 4
+
+
+def test_cli_plans_the_loss_each_model_computes(capsys):
+    """The GPT example computes the whole logits unless its config sets ``loss_chunk``; ``--loss-chunk`` overrides."""
+    gpt = ["--layers", "2", "--width", "64", "--vocab", "50000", "--seq", "4096", "--json"]
+
+    def activations(*extra: str) -> int:
+        assert planner.main([*gpt, *extra]) == 0
+        return json.loads(capsys.readouterr().out)["activations"]
+
+    whole, chunked = activations(), activations("--loss-chunk", "512")
+    assert activations("--loss-chunk", "none") == whole
+    assert whole - chunked == (4096 - 512) * 50000 * 12 - 4096 * 64 * 4
 
 
 def _saved_bytes(module: nn.Module, *inputs) -> int:

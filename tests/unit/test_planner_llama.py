@@ -67,7 +67,7 @@ def test_estimate_command_takes_a_config_json_or_a_preset(tmp_path, capsys):
 
 def test_the_chunked_loss_counts_one_chunk_of_logits_not_every_token():
     from lightning_fsdp.planner.estimate import PlanOptions, estimate
-    from lightning_fsdp.planner.llama import loss_bytes
+    from lightning_fsdp.planner.loss import loss_bytes
 
     vocab, d, tokens = 128_256, 4096, 8192
     whole = loss_bytes(vocab, d, 2, tokens, None)
