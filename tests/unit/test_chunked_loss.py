@@ -23,11 +23,19 @@ def _labels(shape: tuple[int, int], vocab: int) -> torch.Tensor:
     return labels
 
 
+class HookedLinear(nn.Linear):
+    """Not a plain ``nn.Linear``: the loss calls it as a module (the recomputing path)."""
+
+
 @pytest.mark.parametrize("chunk", [1, 5, 16, 4096])
 @pytest.mark.parametrize("shift", [True, False])
-def test_loss_and_gradients_equal_the_whole_logits(chunk, shift):
+@pytest.mark.parametrize("path", ["fused", "recomputed"])
+def test_loss_and_gradients_equal_the_whole_logits(chunk, shift, path):
+    from lightning_fsdp.loss.linear_cross_entropy import plain_linear
+
     torch.manual_seed(0)
-    head = nn.Linear(24, 301)
+    head = (nn.Linear if path == "fused" else HookedLinear)(24, 301)
+    assert (plain_linear(head) is not None) == (path == "fused")
     hidden = torch.randn(2, 19, 24, requires_grad=True)
     labels = _labels((2, 19), 301)
     whole, count = causal_lm_token_loss(head(hidden), labels, shift=shift)
@@ -91,3 +99,19 @@ def test_bad_chunks_and_heads_are_named(tmp_path):
     module.model.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match=r"cannot use the chunked loss.*loss_chunk=None"):
         module.token_sums((torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)))
+
+
+def test_under_torch_compile_untrained_positions_stay_and_still_count_for_nothing():
+    """Compiled, the loss keeps every position (no data-dependent shapes); ``-100`` still adds nothing."""
+    torch.manual_seed(0)
+    head = nn.Linear(16, 50)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 9))
+    labels[0, :3] = IGNORE_INDEX
+    total = torch.compile(lambda h: chunked_causal_lm_loss(h, head, labels, chunk_tokens=4)[0])(hidden)
+    total.backward()
+    compiled_grad, hidden.grad = hidden.grad, None
+    whole, _ = causal_lm_token_loss(head(hidden), labels)
+    whole.backward()
+    torch.testing.assert_close(total, whole)
+    torch.testing.assert_close(compiled_grad, hidden.grad)

@@ -1,0 +1,98 @@
+"""Cross entropy of a plain linear projection, a chunk of tokens at a time, with its gradients computed in the same
+pass, so that backward has nothing left to recompute.
+
+Recomputing each chunk's logits in backward (activation checkpointing) costs one more projection: where the head is
+much of the step (wide vocabulary, small model, short context) that was measured at 1.14-1.20x the step of the
+whole logits. Here each chunk's logits are made once: the forward turns them into the loss, the softmax minus the
+one-hot target, and from that the chunk's gradient for the hidden states and its contribution to the weight's
+(and bias's) gradient. Backward scales what was kept by the incoming gradient. Memory: one chunk's logits at a time,
+plus the hidden states' gradient (the size of the hidden states, which recomputation keeps too) and, for a trainable
+head, its gradient, which exists in backward either way.
+
+Only for a head the loss may multiply itself: a plain ``nn.Linear`` without hooks whose weight is an ordinary tensor
+(FSDP2's unsharded parameter during the root's forward; not a DTensor, not a quantized subclass). Anything else (a
+LoRA-wrapped or quantized head, a callable) takes the recomputing path of :mod:`lightning_fsdp.loss.chunked`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_fsdp.loss.token_mean import IGNORE_INDEX
+
+
+def plain_linear(head: Any) -> Optional[tuple[Tensor, Optional[Tensor]]]:
+    """``(weight, bias)`` of a head whose product the loss may compute itself, else ``None``."""
+    if type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks:
+        return None
+    modules: Any = nn.modules.module
+    if modules._global_forward_hooks or modules._global_forward_pre_hooks:
+        return None
+    tensors = [head.weight] if head.bias is None else [head.weight, head.bias]
+    if any(type(t) not in (Tensor, nn.Parameter) for t in tensors):
+        return None
+    return head.weight, head.bias
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """``Σ cross_entropy(F.linear(hidden, weight, bias).float(), labels)`` (``-100`` ignored), chunk by chunk."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, chunk_tokens: int
+    ) -> Tensor:
+        wants_hidden, wants_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        wants_bias = bias is not None and ctx.needs_input_grad[2]
+        grad_hidden = torch.empty_like(hidden) if wants_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if wants_bias else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, labels.shape[0], chunk_tokens):
+            part = slice(start, start + chunk_tokens)
+            h, y = hidden[part], labels[part]
+            logits = F.linear(h, weight, bias)
+            compute_dtype = logits.dtype
+            logits = logits.float()
+            trained = y != IGNORE_INDEX
+            target = torch.where(trained, y, 0)
+            log_norm = logits.logsumexp(-1)
+            picked = logits.gather(1, target.unsqueeze(1)).squeeze(1)
+            total = total + ((log_norm - picked) * trained).sum()
+            if not (wants_hidden or wants_weight or wants_bias):
+                continue
+            # d loss / d logits = softmax - one-hot, zero where nothing is trained; in place over the chunk's logits
+            grad = logits.sub_(log_norm.unsqueeze(1)).exp_()
+            grad.scatter_add_(1, target.unsqueeze(1), torch.full_like(picked, -1.0).unsqueeze(1))
+            grad.mul_(trained.unsqueeze(1))
+            grad = grad.to(compute_dtype)  # as autograd hands it to the projection's backward
+            if grad_hidden is not None:
+                grad_hidden[part] = grad @ weight.to(compute_dtype)
+            if grad_weight is not None:
+                grad_weight += (grad.t() @ h.to(compute_dtype)).float()
+            if grad_bias is not None:
+                grad_bias += grad.float().sum(0)
+        ctx.save_for_backward(*(t for t in (grad_hidden, grad_weight, grad_bias) if t is not None))
+        ctx.kept = (grad_hidden is not None, grad_weight is not None, grad_bias is not None)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        saved = iter(ctx.saved_tensors)
+        grads: list[Optional[Tensor]] = []
+        for kept, dtype in zip(ctx.kept, ctx.dtypes):
+            grads.append((next(saved) * grad_total).to(dtype) if kept else None)
+        return (*grads, None, None)
+
+
+def linear_cross_entropy_sum(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, chunk_tokens: int
+) -> Tensor:
+    """``(N, H)`` hidden states and ``(N,)`` labels → the summed token loss (see :class:`LinearCrossEntropy`)."""
+    total = LinearCrossEntropy.apply(hidden, weight, bias, labels, chunk_tokens)
+    assert isinstance(total, Tensor)
+    return total
