@@ -80,11 +80,13 @@ def test_the_chunked_loss_counts_one_chunk_of_logits_not_every_token():
 
 
 def test_max_seq_is_the_longest_sequence_that_fits(capsys):
+    from lightning_fsdp.loss import DEFAULT_CHUNK_TOKENS
     from lightning_fsdp.planner.cli import longest_sequence, main
     from lightning_fsdp.planner.estimate import PlanOptions, estimate
 
     spec = llama_model_spec(with_lora(llama_dims(PRESETS["llama-3-8b"], 2048), 16, None))  # QLoRA on one card
-    options = PlanOptions(precision="bf16-mixed", quantize_base="nf4", activation_checkpointing=True, loss_chunk=1024)
+    options = PlanOptions(precision="bf16-mixed", quantize_base="nf4", activation_checkpointing=True,
+                          loss_chunk=DEFAULT_CHUNK_TOKENS)  # what --hf-config plans by default
     budget = 24 * 10**9
     longest = longest_sequence(spec, options, budget, 0.1)
     fits = [estimate(spec, PlanOptions(**{**options.__dict__, "seq_len": s})).device <= budget * 0.9
