@@ -29,31 +29,11 @@ if TYPE_CHECKING:
 TESTED_TORCH = "2.13"
 
 __all__ = [
-    "FastPathLost",
-    "compile_errors",
-    "compiled_graph_count",
-    "composable_checkpoint",
-    "dcp_metadata_path",
-    "dcp_set_element",
-    "dcp_unpickle_allowlist",
-    "default_store",
-    "distributed_rng_supported",
-    "fast_paths",
-    "foreach_copy_",
-    "foreach_lerp_",
-    "foreach_mul_",
-    "hf_init_weights",
-    "hf_storage_info",
-    "load_in_place",
-    "keep_root_gathered",
-    "metric_states",
-    "private_reset_parameters",
-    "reset_sharded_params",
-    "set_metric_defaults",
-    "spectral_norm_vectors",
-    "swaps_on_conversion",
-    "use_file_system",
-    "warn_lost",
+    "compile_errors", "compiled_graph_count", "composable_checkpoint", "dcp_metadata_path", "dcp_set_element",
+    "dcp_unpickle_allowlist", "default_store", "distributed_rng_supported", "fast_paths", "FastPathLost",
+    "foreach_copy_", "foreach_lerp_", "foreach_mul_", "has_forward_hooks", "hf_init_weights", "hf_storage_info",
+    "keep_root_gathered", "load_in_place", "metric_states", "private_reset_parameters", "reset_sharded_params",
+    "set_metric_defaults", "spectral_norm_vectors", "swaps_on_conversion", "use_file_system", "warn_lost",
 ]
 
 
@@ -361,6 +341,13 @@ def spectral_norm_vectors(parametrization: nn.Module, weight: torch.Tensor) -> b
         parametrization._v.copy_(F.normalize(v, dim=0, eps=parametrization.eps))
         parametrization._power_method(mat, 15)
     return True
+
+
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs a forward hook: its own, or one registered for every module."""
+    every = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks
+                or every._global_forward_hooks or every._global_forward_pre_hooks)
 
 
 def metric_states(metric: nn.Module) -> dict[str, tuple[Any, Any, bool]]:

@@ -22,15 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_fsdp._torch_compat import has_forward_hooks
 from lightning_fsdp.loss.token_mean import IGNORE_INDEX
 
 
 def plain_linear(head: Any) -> Optional[tuple[Tensor, Optional[Tensor]]]:
     """``(weight, bias)`` of a head whose product the loss may compute itself, else ``None``."""
-    if type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks:
-        return None
-    modules: Any = nn.modules.module
-    if modules._global_forward_hooks or modules._global_forward_pre_hooks:
+    if type(head) is not nn.Linear or has_forward_hooks(head):
         return None
     tensors = [head.weight] if head.bias is None else [head.weight, head.bias]
     if any(type(t) not in (Tensor, nn.Parameter) for t in tensors):
@@ -42,7 +40,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     """``Σ cross_entropy(F.linear(hidden, weight, bias).float(), labels)`` (``-100`` ignored), chunk by chunk."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, chunk_tokens: int
     ) -> Tensor:
         wants_hidden, wants_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -81,7 +79,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad_total: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_total: Tensor) -> tuple[Optional[Tensor], ...]:
         saved = iter(ctx.saved_tensors)
         grads: list[Optional[Tensor]] = []
         for kept, dtype in zip(ctx.kept, ctx.dtypes):
