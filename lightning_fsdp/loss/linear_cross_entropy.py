@@ -9,7 +9,8 @@ one-hot target, and from that the chunk's gradient for the hidden states and its
 plus the hidden states' gradient (the size of the hidden states, which recomputation keeps too) and, for a trainable
 head, its gradient, which exists in backward either way.
 
-Only for a head the loss may multiply itself: a plain ``nn.Linear`` without hooks whose weight is an ordinary tensor
+Only for a head the loss may multiply itself: an ``nn.Linear`` (or a subclass that keeps its ``forward``, such as
+one with its own initialisation) without hooks whose weight is an ordinary tensor
 (FSDP2's unsharded parameter during the root's forward; not a DTensor, not a quantized subclass). Anything else (a
 LoRA-wrapped or quantized head, a callable) takes the recomputing path of :mod:`lightning_fsdp.loss.chunked`.
 """
@@ -28,7 +29,7 @@ from lightning_fsdp.loss.token_mean import IGNORE_INDEX
 
 def plain_linear(head: Any) -> Optional[tuple[Tensor, Optional[Tensor]]]:
     """``(weight, bias)`` of a head whose product the loss may compute itself, else ``None``."""
-    if type(head) is not nn.Linear or has_forward_hooks(head):
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or has_forward_hooks(head):
         return None
     tensors = [head.weight] if head.bias is None else [head.weight, head.bias]
     if any(type(t) not in (Tensor, nn.Parameter) for t in tensors):

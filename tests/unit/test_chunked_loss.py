@@ -24,7 +24,14 @@ def _labels(shape: tuple[int, int], vocab: int) -> torch.Tensor:
 
 
 class HookedLinear(nn.Linear):
-    """Not a plain ``nn.Linear``: the loss calls it as a module (the recomputing path)."""
+    """Not a plain ``nn.Linear`` (its own ``forward``): the loss calls it as a module (the recomputing path)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+class InitialisedLinear(nn.Linear):
+    """A subclass that keeps ``nn.Linear.forward`` (own initialisation only): the loss may multiply it itself."""
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 4096])
@@ -36,6 +43,10 @@ def test_loss_and_gradients_equal_the_whole_logits(chunk, shift, path):
     torch.manual_seed(0)
     head = (nn.Linear if path == "fused" else HookedLinear)(24, 301)
     assert (plain_linear(head) is not None) == (path == "fused")
+    assert plain_linear(InitialisedLinear(2, 3)) is not None
+    hooked = nn.Linear(2, 3)
+    hooked.register_forward_pre_hook(lambda module, args: None)  # e.g. FSDP2's unshard: the module must be called
+    assert plain_linear(hooked) is None
     hidden = torch.randn(2, 19, 24, requires_grad=True)
     labels = _labels((2, 19), 301)
     whole, count = causal_lm_token_loss(head(hidden), labels, shift=shift)
