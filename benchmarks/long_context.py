@@ -46,13 +46,6 @@ ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 SEARCH_STEP = 256
 
 
-def _rss(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 def worker(model_dir: Path, out: Path, chunk: Optional[int], context: int, steps: int) -> None:
     """One rank of one configuration (started by torchrun): a Trainer fit of ``steps`` steps of 1 × ``context``."""
     import lightning as L
@@ -60,11 +53,11 @@ def worker(model_dir: Path, out: Path, chunk: Optional[int], context: int, steps
     from lightning.pytorch.callbacks import Callback
 
     import lightning_fsdp  # noqa: F401 - registers the strategy
-    from lightning_fsdp.memory import local_state_bytes
+    from lightning_fsdp.memory import current_rss, local_state_bytes, peak_rss, reset_peak_rss
     from lightning_fsdp.models import HFCausalLM
 
-    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark from here: everything after the imports
-    baseline = _rss("VmRSS")
+    reset_peak_rss()  # the high-water mark from here: everything after the imports
+    baseline = current_rss()
 
     class Measure(Callback):
         def __init__(self) -> None:
@@ -94,7 +87,7 @@ def worker(model_dir: Path, out: Path, chunk: Optional[int], context: int, steps
     trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
     state = local_state_bytes(trainer.strategy.model, trainer.optimizers)
     row = {
-        "peak": _rss("VmHWM") - baseline, "state": state.total, "params": state.params,
+        "peak": peak_rss() - baseline, "state": state.total, "params": state.params,
         "step_seconds": statistics.median(measure.times[1:] or measure.times),
     }
     rows: list[Any] = [None] * trainer.world_size

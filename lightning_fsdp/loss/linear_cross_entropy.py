@@ -10,9 +10,9 @@ plus the hidden states' gradient (the size of the hidden states, which recomputa
 head, its gradient, which exists in backward either way.
 
 Only for a head the loss may multiply itself: an ``nn.Linear`` (or a subclass that keeps its ``forward``, such as
-one with its own initialisation) without hooks whose weight is an ordinary tensor
-(FSDP2's unsharded parameter during the root's forward; not a DTensor, not a quantized subclass). Anything else (a
-LoRA-wrapped or quantized head, a callable) takes the recomputing path of :mod:`lightning_fsdp.loss.chunked`.
+one with its own initialisation) without hooks, whose weight is an ordinary tensor (FSDP2's unsharded parameter
+during the root's forward; not a DTensor, not a quantized subclass). Anything else (a LoRA-wrapped or quantized
+head, a callable) takes the recomputing path of :mod:`lightning_fsdp.loss.chunked`.
 """
 
 from __future__ import annotations
