@@ -74,8 +74,9 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         async_save: write sharded checkpoints in the background while training continues.
         verify_before_load: hash every file of a sharded checkpoint before any state changes (a second read of
             every byte); by default each entry is checked as it is read, once.
-        pretrained_weights: loaded into the sharded model right after sharding: a Hugging Face model directory or a
-            ``.safetensors`` file (every rank reads only its own shards), or a full ``.ckpt``/``.pt`` state dict (rank
+        pretrained_weights: loaded into the sharded model right after sharding: a Hugging Face model directory, a
+            ``.gguf`` file (converted once into a cached directory) or a ``.safetensors`` file (every rank reads only
+            its own shards), or a full ``.ckpt``/``.pt`` state dict (rank
             0 reads, the other ranks receive only their shards). Sharded checkpoints then leave out the frozen
             parameters that came from safetensors and refer to the files instead (LoRA: megabytes per save).
         pretrained_key_map: how model keys map to the pretrained files' keys, as ``{model prefix: file prefix}``;
@@ -144,6 +145,10 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         self.state_dict_type: StateDictType = state_dict_type
         self.async_save = bool(async_save)
         self.verify_before_load = bool(verify_before_load)
+        if pretrained_weights is not None:
+            from lightning_fsdp.hf.gguf import resolve_model_source
+
+            pretrained_weights = resolve_model_source(pretrained_weights)  # a .gguf file: its converted directory
         self.pretrained_weights = pretrained_weights
         self.pretrained_key_map = dict(pretrained_key_map) if pretrained_key_map else None
         self.skip_nonfinite_steps = bool(skip_nonfinite_steps)

@@ -126,6 +126,10 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
         self.shard_size = shard_size
         self.compile = compile
         self.quantize_base = quantize_base
+        if pretrained_weights is not None:
+            from lightning_fsdp.hf.gguf import resolve_model_source
+
+            pretrained_weights = resolve_model_source(pretrained_weights)  # a .gguf file: its converted directory
         self.pretrained_weights = pretrained_weights
         self.pretrained_key_map = dict(pretrained_key_map) if pretrained_key_map else None
         self.model_options()  # invalid policies fail now, before any process starts

@@ -46,7 +46,8 @@ class HFCausalLM(L.LightningModule):
     """Fine-tune the causal LM in ``model_dir``.
 
     Args:
-        model_dir: a Hugging Face model directory (``config.json`` + safetensors weights).
+        model_dir: a Hugging Face model directory (``config.json`` + safetensors weights), or a ``.gguf`` file
+            (converted once into a cached directory: :mod:`lightning_fsdp.hf.gguf`).
         lora: ``peft.LoraConfig`` arguments (e.g. ``{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj",
             "v_proj"]}``), or ``None`` for a full fine-tune.
         from_pretrained: load the weights in ``configure_model`` with ``AutoModelForCausalLM.from_pretrained``
@@ -73,10 +74,13 @@ class HFCausalLM(L.LightningModule):
         super().__init__()
         if loss_chunk is not None:
             check_chunk_tokens(loss_chunk)
+        from lightning_fsdp.hf.gguf import resolve_model_source
+
+        model_dir = resolve_model_source(model_dir)  # a .gguf file: converted once into a cached HF directory
         self.save_hyperparameters()
         self.model: Optional[torch.nn.Module] = None
         if tokenizer is not None:
-            _check_tokenizer_fits(Path(tokenizer), Path(model_dir))
+            _check_tokenizer_fits(resolve_model_source(tokenizer), Path(model_dir))
         self.token_loss = TokenWeightedLoss()
         # token-weighted means, kept outside the module tree (see models/metrics.py)
         self._val_metrics = ValidationMetrics.named(loss=MeanMetric(), accuracy=MeanMetric())

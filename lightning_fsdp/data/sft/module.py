@@ -51,8 +51,8 @@ class SFTDataModule(SplitDataModule):
     Args:
         path: a ``.jsonl``/``.json``/``.parquet``/``.csv``/``.txt`` file, a folder of one kind, or a
             ``datasets.save_to_disk`` directory.
-        tokenizer: a model or tokenizer directory for ``AutoTokenizer``. When it is a model directory, the model's
-            vocabulary and positions are checked against the tokenizer and ``seq_len`` here.
+        tokenizer: a model or tokenizer directory for ``AutoTokenizer``, or a ``.gguf`` model file. When it is a
+            model, the model's vocabulary and positions are checked against the tokenizer and ``seq_len`` here.
         val_path: a separate validation set; else ``val_fraction`` of ``path`` (seeded, deterministic).
         format: ``"auto"`` (from the columns), ``"chat"``, ``"instruction"``, ``"prompt_completion"`` or ``"text"``.
         train_on: ``"assistant"`` (every assistant turn), ``"last"`` (the last one) or ``"all"`` tokens.
@@ -91,6 +91,9 @@ class SFTDataModule(SplitDataModule):
         if seq_len < 2 or batch_size < 1 or not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"seq_len ≥ 2, batch_size ≥ 1 and 0 ≤ val_fraction < 1 are needed; got {seq_len},"
                              f" {batch_size}, {val_fraction}.")
+        from lightning_fsdp.hf.gguf import resolve_model_source
+
+        tokenizer = resolve_model_source(tokenizer)  # a .gguf file: its converted directory
         self.tokenizer = load_tokenizer(tokenizer)
         self.pad_id = self._pad_id()
         fmt = detect_format(column_names(path), format)
