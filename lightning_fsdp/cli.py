@@ -1,4 +1,4 @@
-"""The ``lightning-fsdp`` command: ``train``, ``consolidate`` and ``estimate``.
+"""The ``lightning-fsdp`` command: ``train``, ``consolidate``, ``estimate``, ``chat`` and the checkpoint tools.
 
 Each subcommand lives in its own module, imported only when used, whose ``main(argv) -> int`` receives the
 arguments after the subcommand's name. ``python -m lightning_fsdp ...`` is the same command.
@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("lightning_fsdp.commands.verify", "check a checkpoint is intact (exit 0) or say what is wrong (exit 1)"),
     "inspect": ("lightning_fsdp.commands.inspect", "what a checkpoint holds: step, world size, mesh, sizes, versions"),
     "seal": ("lightning_fsdp.commands.seal", "make a DCP checkpoint another tool wrote loadable: check, hash, manifest"),
+    "import": ("lightning_fsdp.commands.import_gguf", "a GGUF model file → a Hugging Face model directory"),
+    "chat": ("lightning_fsdp.commands.chat", "talk to a model: a HF directory, an export, a GGUF file or a checkpoint"),
 }
 
 

@@ -6,6 +6,7 @@ directory, or of ``--hf-config``), keys without the LightningModule's attribute 
 into its base: each LoRA layer is materialised alone, filled with its base and adapter weights and merged by PEFT's
 own ``merge`` (DoRA and ``fan_in_fan_out`` included), so memory stays near one output shard. ``--format peft``
 writes the adapter alone through ``PeftModel.save_pretrained`` (``PeftModel.from_pretrained`` loads it).
+:func:`load_hf_model` builds the model ``--format hf`` writes in memory instead, for ``lightning-fsdp chat CKPT``.
 
 The base weights of a LoRA checkpoint come from the pretrained directory it recorded (checked against its identity
 first) or from ``--base DIR``. A QLoRA checkpoint (``quantize_base``) is merged into that original full-precision
@@ -39,7 +40,7 @@ from lightning_fsdp.hf.conversion import revert_tensor
 from lightning_fsdp.hf.directory import INDEX_NAME, HFDirectory, identity_differences, side_files
 from lightning_fsdp.hf.keys import KeyLayout, detect_layout, is_adapter_key
 from lightning_fsdp.precision import parse_dtype
-from lightning_fsdp.sharding import tied_aliases
+from lightning_fsdp.sharding import parameters_on_meta, tied_aliases
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -152,11 +153,15 @@ def base_entries(reference: BaseReference, root: Path, src: Path) -> dict[str, E
 
 
 @overload
-def build_skeleton(info: dict[str, Any], with_adapters: Literal[False]) -> PreTrainedModel: ...
+def build_skeleton(
+    info: dict[str, Any], with_adapters: Literal[False], *, real_buffers: bool = False
+) -> PreTrainedModel: ...
 @overload
-def build_skeleton(info: dict[str, Any], with_adapters: bool) -> nn.Module: ...
-def build_skeleton(info: dict[str, Any], with_adapters: bool) -> nn.Module:
-    """The HF model (wrapped by PEFT with the checkpoint's adapters, if asked) on the meta device."""
+def build_skeleton(info: dict[str, Any], with_adapters: bool, *, real_buffers: bool = False) -> nn.Module: ...
+def build_skeleton(info: dict[str, Any], with_adapters: bool, *, real_buffers: bool = False) -> nn.Module:
+    """The HF model (wrapped by PEFT with the checkpoint's adapters, if asked) on the meta device; with
+    ``real_buffers`` only its parameters are, so buffers no checkpoint stores (rotary ``inv_freq``) keep their values
+    and the model can run once its parameters are assigned."""
     import transformers
 
     config_dict = dict(info["config"])
@@ -164,7 +169,7 @@ def build_skeleton(info: dict[str, Any], with_adapters: bool) -> nn.Module:
     cls = getattr(transformers, str(info["class"]), None)
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         raise CheckpointError(f"transformers has no model class {info['class']!r}; upgrade transformers.")
-    with torch.device("meta"), warnings.catch_warnings():
+    with parameters_on_meta() if real_buffers else torch.device("meta"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")  # inside PEFT
         model = cls(config)
         if with_adapters and info.get("adapters"):
@@ -225,6 +230,72 @@ def merged_sources(tensors: CheckpointTensors, info: dict[str, Any]) -> dict[str
     return out
 
 
+def plain_model_sources(
+    tensors: CheckpointTensors, info: dict[str, Any], skeleton: nn.Module, merge: bool = True
+) -> tuple[dict[str, str], dict[str, Source]]:
+    """What the plain HF model ``skeleton`` holds: its state-dict key → the checkpoint key (a tied tensor once, as
+    ``save_pretrained`` stores it), and a reader per checkpoint key with LoRA layers merged into their base weights."""
+    layout = KeyLayout(prefix=info["prefix"])
+    sources = dict(tensors.sources)
+    if info.get("adapters"):
+        if not merge:
+            raise CheckpointError("A PEFT checkpoint is exported merged (--format hf) or as an adapter (--format peft).")
+        sources.update(merged_sources(tensors, info))
+    names: dict[str, str] = {}
+    for key in sorted(sources):
+        file_key = None if is_adapter_key(key) else layout.file_key(key)
+        if file_key is not None:
+            names[file_key] = key
+    for alias in tied_aliases(skeleton):
+        names.pop(alias, None)
+    return names, sources
+
+
+def load_hf_model(
+    src: Union[str, Path],
+    *,
+    base: Optional[Union[str, Path]] = None,
+    dtype: Optional[Union[str, torch.dtype]] = None,
+    verify: bool = True,
+    weights: str = "model",
+    merge_into: str = "original",
+) -> tuple[PreTrainedModel, Optional[Path]]:
+    """The checkpoint's HF model on the CPU in memory, the model :func:`export_hf` would write (LoRA merged, in
+    ``dtype``, by default the trained one), so it can be used without an export on disk; and the directory its
+    tokenizer and generation files come from (``None`` when the checkpoint names none)."""
+    src = Path(src)
+    target_dtype = parse_dtype(dtype, "--dtype")
+    tensors = CheckpointTensors(src, base, verify, weights=weights, merge_into=merge_into)
+    try:
+        info = tensors.require_info(None)
+        model = build_skeleton(info, with_adapters=False, real_buffers=True)
+        ties = tied_aliases(model)
+        names, sources = plain_model_sources(tensors, info, model)
+        target = target_dtype or _dtype_of(tensors)
+        state = {model_key: sources[key]().to(target) for model_key, key in names.items()}
+        unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
+        del state
+        for alias, canonical in ties.items():  # assigning replaced the shared Parameter on one side only
+            owner, _, leaf = alias.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, model.get_parameter(canonical))
+        missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if unexpected or missing:
+            raise CheckpointError(
+                f"{src} does not fit the {info['class']} it describes: "
+                + "; ".join(f"{what} {short_list(keys)}" for what, keys in
+                            (("unexpected", unexpected), ("missing", missing)) if keys)
+            )
+        side_dir = tensors.base_root or _existing(info.get("source"))
+    finally:
+        tensors.close()
+    if side_dir is not None and (side_dir / "generation_config.json").is_file():  # as from_pretrained(export) reads
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(side_dir))
+    model.eval()
+    return model, side_dir
+
+
 def export_hf(
     src: Union[str, Path],
     dst: Union[str, Path],
@@ -247,20 +318,8 @@ def export_hf(
     tensors = CheckpointTensors(src, base, verify, weights=weights, merge_into=merge_into)
     try:
         info = tensors.require_info(Path(hf_config) if hf_config else None)
-        layout = KeyLayout(prefix=info["prefix"])
-        sources = dict(tensors.sources)
-        if info.get("adapters"):
-            if not merge:
-                raise CheckpointError("A PEFT checkpoint is exported merged (--format hf) or as an adapter (--format peft).")
-            sources.update(merged_sources(tensors, info))
-        names: dict[str, str] = {}
-        for key in sorted(sources):
-            file_key = None if is_adapter_key(key) else layout.file_key(key)
-            if file_key is not None:
-                names[file_key] = key
         skeleton = build_skeleton(info, with_adapters=False)
-        for alias in tied_aliases(skeleton):  # a tied tensor is written once, as save_pretrained does
-            names.pop(alias, None)
+        names, sources = plain_model_sources(tensors, info, skeleton, merge)
         target = out_dtype or _dtype_of(tensors)
         shards = _plan_shards(names, tensors.shapes, target, limit)
         with commit_ops.staged(dst, directory=True) as staging:
