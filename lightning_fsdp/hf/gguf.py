@@ -150,7 +150,7 @@ def _convert(path: Path, out: Path) -> None:
     # what transformers read is plain fp32 now; without these it refuses to save ("quantized with gguf")
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -160,11 +160,11 @@ def _resolved(path: str, size: int, mtime_ns: int) -> Path:
     return import_gguf(path)
 
 
-def resolve_model_source(path: Union[str, Path]) -> Path:
-    """``path`` itself, or for a ``.gguf`` file its converted directory (converting it on first use)."""
+def resolve_model_source(path: Union[str, Path]) -> Union[str, Path]:
+    """``path`` itself (as given), or for a ``.gguf`` file its converted directory (converting it on first use)."""
     if not is_gguf(path):
-        return Path(path)
+        return path
     if not Path(path).is_file():
         check_gguf(path)  # raises with the reason
     stat = Path(path).stat()
-    return _resolved(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+    return str(_resolved(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns))

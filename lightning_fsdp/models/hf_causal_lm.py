@@ -80,7 +80,7 @@ class HFCausalLM(L.LightningModule):
         self.save_hyperparameters()
         self.model: Optional[torch.nn.Module] = None
         if tokenizer is not None:
-            _check_tokenizer_fits(resolve_model_source(tokenizer), Path(model_dir))
+            _check_tokenizer_fits(Path(resolve_model_source(tokenizer)), Path(model_dir))
         self.token_loss = TokenWeightedLoss()
         # token-weighted means, kept outside the module tree (see models/metrics.py)
         self._val_metrics = ValidationMetrics.named(loss=MeanMetric(), accuracy=MeanMetric())

@@ -63,8 +63,8 @@ def test_a_gguf_path_resolves_to_the_cached_conversion_everywhere(converted, mon
     monkeypatch.setenv("LIGHTNING_FSDP_CACHE", str(TEST_CACHE))
     gguf = smollm2_gguf()
     assert resolve_model_source(gguf) == converted
-    assert HFCausalLM(model_dir=gguf, tokenizer=gguf).hparams["model_dir"] == converted
-    assert FSDPCustomStrategy(pretrained_weights=gguf).pretrained_weights == converted
+    assert Path(HFCausalLM(model_dir=gguf, tokenizer=gguf).hparams["model_dir"]) == converted
+    assert Path(FSDPCustomStrategy(pretrained_weights=str(gguf)).pretrained_weights) == converted
     assert import_gguf(gguf, converted) == converted  # an existing conversion is kept as it is
 
 
