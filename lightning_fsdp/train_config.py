@@ -140,7 +140,9 @@ def instantiate_group(group_cfg: Optional[DictConfig], group: str) -> list[Any]:
         if "TensorBoardLogger" in str(node._target_) and not _tensorboard_available():
             log.warning("%s.%s skipped: neither tensorboard nor tensorboardX is installed.", group, key)
             continue
-        objects.append(instantiate(node, _convert_="all"))
+        made = instantiate(node, _convert_="all")
+        if made is not None:  # a factory may decline (e.g. no progress bar when the Trainer shows none)
+            objects.append(made)
     return objects
 
 
@@ -149,11 +151,17 @@ def _tensorboard_available() -> bool:
 
 
 def ensure_demo_data(cfg: DictConfig) -> Optional[Path]:
-    """``demo_data: DIR`` writes the generated chat data set and its trained tokenizer there if missing (the
-    ``finetune_hf_chat`` experiment), before the model that takes the tokenizer's vocabulary is written."""
+    """Write a job's generated data set if missing, before any process starts: ``demo_data: DIR`` the chat demo
+    and its trained tokenizer (``finetune_hf_chat``, before the model that takes its vocabulary is written), or
+    ``demo_data: {_target_: FUNCTION, dir: DIR, ...}`` any writer called as ``FUNCTION(dir=DIR, ...)``, e.g.
+    :func:`~lightning_fsdp.data.sft.stdlib_docs.write_docstring_chat` (the default job)."""
     target = cfg.get("demo_data")
     if not target:
         return None
+    if isinstance(target, DictConfig):
+        from hydra.utils import instantiate
+
+        return Path(str(instantiate(target)))
     from lightning_fsdp.data.sft.demo import write_chat_demo
 
     return write_chat_demo(Path(str(target)))

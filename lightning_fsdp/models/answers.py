@@ -1,72 +1,213 @@
-"""``HeldOutAnswers``: held-out prompts answered by the model through its chat template, before and after training.
+"""``HeldOutAnswers``: what a fine-tune learnt, in the terms a user judges it by, at step 0 and at the end.
 
-A callback, so any fine-tuning job shows what it learnt in the terms a user judges it by: the prompts of the
-validation set, each answered greedily and printed next to its reference, with the exact-match rate at step 0 and
-at the end (logged as ``held_out_exact_match``). Every rank generates (FSDP gathers the parameters in each
-forward); rank 0 prints.
+A callback, so any fine-tuning job can add it. On the held-out (validation) set of the datamodule it measures:
+
+- the per-token loss on the trained tokens (the answers), over every held-out row on every rank;
+- greedy answers to the held-out questions through the model's chat template, scored against the references by
+  ROUGE-L (torchmetrics) and exact match;
+- a few questions answered before and after training, printed side by side.
+
+The figures go into ``trainer.callback_metrics`` (``held_out_loss``, ``held_out_rougeL``, ``held_out_exact_match``
+and their ``*_at_start``), hence into the job's ``summary.json``; the step-0 loss is also logged as ``val_loss`` at
+step 0, so the validation curve starts where training does.
+
+Every rank runs the same generation (FSDP gathers each unit's parameters in its forward); rank 0 prints. Answers
+are generated in batches, left-padded, with transformers' ``generate`` and its key/value cache when the module
+holds a Hugging Face model (``pl_module.model``), else token by token through ``pl_module.generate``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import textwrap
+from collections.abc import Callable
+from typing import Any, Optional, TypeVar
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-__all__ = ["HeldOutAnswers", "answer"]
+__all__ = ["HeldOutAnswers", "answer", "greedy_answers", "held_out_loss", "in_root_forward"]
+
+T = TypeVar("T")
 
 
 def answer(model: Any, prompt_ids: torch.Tensor, max_new_tokens: int, stop_ids: set[int]) -> list[int]:
     """The greedy continuation of ``prompt_ids`` up to a stop token (excluded) or ``max_new_tokens``."""
     out = model.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=stop_ids)
-    new = out[0, prompt_ids.numel():].tolist()
-    for i, token in enumerate(new):
+    return _until_stop(out[0, prompt_ids.numel():].tolist(), stop_ids)
+
+
+def _until_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
+    for i, token in enumerate(tokens):
         if token in stop_ids:
-            return new[:i]
-    return new
+            return tokens[:i]
+    return tokens
+
+
+def in_root_forward(pl_module: Any, work: Callable[[], T]) -> T:
+    """``work()`` in eval mode without gradients, run as ``pl_module``'s own forward call.
+
+    ``work`` calls into the inner model directly; run that way, FSDP2's root hooks run around it as in a training
+    step (the first forward through the root initialises FSDP, and the root unit's parameters are gathered), as
+    Lightning does for ``training_step``. Every unit is resharded after.
+    """
+    from lightning_fsdp.models.gpt import reshard_gathered
+
+    was_training = pl_module.training
+
+    def forward() -> T:
+        del pl_module.forward  # the class's own forward again
+        return work()
+
+    pl_module.eval()
+    pl_module.forward = forward
+    try:
+        with torch.no_grad():
+            return pl_module()
+    finally:
+        pl_module.__dict__.pop("forward", None)
+        pl_module.train(was_training)
+        reshard_gathered(pl_module)
+
+
+def _hf_model(pl_module: Any) -> Optional[Any]:
+    model = getattr(pl_module, "model", None)
+    return model if callable(getattr(model, "generate", None)) and hasattr(model, "config") else None
+
+
+@torch.no_grad()
+def greedy_answers(
+    pl_module: Any, prompts: list[torch.Tensor], max_new_tokens: int, stop_ids: set[int], pad_id: int,
+    batch_size: int = 32,
+) -> list[list[int]]:
+    """Each prompt's greedy answer (token ids, stop token excluded); the same on every rank."""
+    model = _hf_model(pl_module)
+    if model is None:
+        return [answer(pl_module, p, max_new_tokens, stop_ids) for p in prompts]
+    device = next(iter(pl_module.parameters())).device
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+
+    def generate_all() -> list[list[int]]:
+        answers: list[list[int]] = []
+        for start in range(0, len(prompts), batch_size):
+            batch = prompts[start:start + batch_size]
+            width = max(p.numel() for p in batch)
+            ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, prompt in enumerate(batch):  # left padding: every answer starts at the same column
+                ids[row, width - prompt.numel():] = prompt
+                mask[row, width - prompt.numel():] = 1
+            out = model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                do_sample=False, eos_token_id=sorted(stop_ids), pad_token_id=pad_id, synced_gpus=distributed,
+            )
+            answers += [_until_stop(row[width:].tolist(), stop_ids) for row in out]
+        return answers
+
+    return in_root_forward(pl_module, generate_all)
+
+
+def held_out_loss(trainer: L.Trainer, pl_module: Any) -> Optional[float]:
+    """The per-token loss over every held-out row of every rank (``pl_module.token_sums`` of each batch)."""
+    datamodule: Any = getattr(trainer, "datamodule", None)
+    if datamodule is None or not callable(getattr(pl_module, "token_sums", None)):
+        return None
+    total = torch.zeros((), dtype=torch.float64)
+    count = torch.zeros((), dtype=torch.float64)
+    device = trainer.strategy.root_device
+
+    def add_up() -> None:
+        for batch in datamodule.val_dataloader():
+            loss_sum, tokens, _ = pl_module.token_sums(trainer.strategy.batch_to_device(batch, device))
+            total.add_(loss_sum.double().cpu())
+            count.add_(tokens.double().cpu())
+
+    in_root_forward(pl_module, add_up)
+    sums = trainer.strategy.reduce(torch.stack([total, count]).to(device), reduce_op="sum")
+    return float(sums[0] / sums[1].clamp(min=1))
 
 
 class HeldOutAnswers(Callback):
-    """Answer ``count`` held-out prompts of the datamodule (its ``held_out_examples``) at the start and end of fit.
+    """Measure the held-out loss and answers at the start and end of fit, and show a few side by side.
 
     Args:
-        count: prompts to answer.
+        count: held-out questions answered and scored (the first ``count`` of the validation set).
         max_new_tokens: the longest answer generated.
+        show: questions printed with their reference and the answers before and after training.
+        batch_size: questions generated at once.
     """
 
-    def __init__(self, count: int = 8, max_new_tokens: int = 32) -> None:
-        self.count, self.max_new_tokens = count, max_new_tokens
-        self.results: dict[str, float] = {}
+    def __init__(self, count: int = 32, max_new_tokens: int = 48, show: int = 4, batch_size: int = 32) -> None:
+        self.count, self.max_new_tokens, self.show, self.batch_size = count, max_new_tokens, show, batch_size
+        self.results: dict[str, dict[str, float]] = {}
+        self._first_answers: list[str] = []
 
-    def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule, when: str) -> Optional[float]:
+    def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Optional[tuple[dict[str, float], list[Any]]]:
         datamodule: Any = getattr(trainer, "datamodule", None)
         examples = datamodule.held_out_examples(self.count) if hasattr(datamodule, "held_out_examples") else []
-        if not examples or not callable(getattr(pl_module, "generate", None)):
-            return None
+        metrics: dict[str, float] = {}
+        loss = held_out_loss(trainer, pl_module)
+        if loss is not None:
+            metrics["loss"] = loss
+        if not examples:
+            return (metrics, []) if metrics else None
         tokenizer = datamodule.tokenizer
         stop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None}
-        rows, exact = [], 0
-        for prompt_ids, question, reference in examples:
-            text = datamodule.decode(answer(pl_module, prompt_ids, self.max_new_tokens, stop_ids)).strip()
-            exact += text == reference.strip()
-            rows.append((question[:60], reference.strip(), text))
-        rate = exact / len(examples)
-        self.results[when] = rate
-        if trainer.is_global_zero:
-            lines = [f"Held-out answers {when} (exact match {exact}/{len(examples)} = {rate:.0%}):"]
-            lines += [f"  {'ok ' if ref == got else '   '}{prompt!r:64} reference {ref!r:30} model {got!r}"
-                      for prompt, ref, got in rows]
-            print("\n".join(lines), flush=True)
-        return rate
+        pad_id = int(getattr(datamodule, "pad_id", tokenizer.pad_token_id or 0))
+        ids = greedy_answers(pl_module, [p for p, _, _ in examples], self.max_new_tokens, stop_ids, pad_id,
+                             self.batch_size)
+        texts = [datamodule.decode(a).strip() for a in ids]
+        references = [reference.strip() for _, _, reference in examples]
+        from torchmetrics.text import ROUGEScore
+
+        rouge = ROUGEScore(rouge_keys=("rougeL",))(texts, references)
+        metrics["rougeL"] = float(rouge["rougeL_fmeasure"])
+        metrics["exact_match"] = sum(t == r for t, r in zip(texts, references)) / len(examples)
+        rows = [(question, reference, text) for (_, question, reference), text in zip(examples, texts)]
+        return metrics, rows
+
+    def _report(self, trainer: L.Trainer, when: str, metrics: dict[str, float]) -> None:
+        figures = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
+        print(f"Held-out set {when}: {figures}", flush=True)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._evaluate(trainer, pl_module, "at step 0")
+        evaluated = self._evaluate(trainer, pl_module)
+        if evaluated is None:
+            return
+        metrics, rows = evaluated
+        self.results["start"] = metrics
+        self._first_answers = [text for _, _, text in rows]
+        for name, value in metrics.items():
+            trainer.callback_metrics[f"held_out_{name}_at_start"] = torch.tensor(value)
+        if trainer.is_global_zero:
+            self._report(trainer, "at step 0", metrics)
+        if "loss" in metrics:
+            for logger in trainer.loggers:  # the validation curve's first point
+                logger.log_metrics({"val_loss": metrics["loss"]}, step=0)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        rate = self._evaluate(trainer, pl_module, f"after {trainer.global_step} steps")
-        if rate is not None:
-            trainer.callback_metrics["held_out_exact_match"] = torch.tensor(rate)
+        evaluated = self._evaluate(trainer, pl_module)
+        if evaluated is None:
+            return
+        metrics, rows = evaluated
+        self.results["end"] = metrics
+        for name, value in metrics.items():
+            trainer.callback_metrics[f"held_out_{name}"] = torch.tensor(value)
+        if trainer.is_global_zero:
+            self._report(trainer, f"after {trainer.global_step} steps", metrics)
+            print(self.side_by_side(rows), flush=True)
+
+    def side_by_side(self, rows: list[tuple[str, str, str]]) -> str:
+        """The first ``show`` held-out questions: reference, the answer at step 0 and the answer now."""
+        wrap = textwrap.TextWrapper(width=100, initial_indent="    ", subsequent_indent="    ")
+        lines = ["Held-out questions, before and after fine-tuning:"]
+        for i, (question, reference, after) in enumerate(rows[: self.show]):
+            before = self._first_answers[i] if i < len(self._first_answers) else ""
+            lines.append(f"  Q: {question}")
+            for label, text in (("reference", reference), ("before", before), ("after", after)):
+                lines.append(f"  {label}:")
+                lines += wrap.wrap(text or "(empty)")
+        return "\n".join(lines)

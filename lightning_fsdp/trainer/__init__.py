@@ -10,12 +10,15 @@ end (:mod:`lightning_fsdp.fabric`) does for Fabric:
                                    on-exception save
 :mod:`.averaging`                  ``ShardedEMA``: a callback over ``averaging.ShardedAverage``
 :mod:`.memory`                     ``MemoryReport``: a callback over what ``memory`` measures
+:mod:`.loss_curve`                 ``LossCurve``: the logged losses drawn as a PNG after fit
+:mod:`.progress`                   the progress bar of ``max_steps`` runs
 =================================  ==================================================================================
 """
 
 from lightning_fsdp.trainer.averaging import ShardedEMA
+from lightning_fsdp.trainer.loss_curve import LossCurve
 from lightning_fsdp.trainer.memory import MemoryReport
 from lightning_fsdp.trainer.precision import FSDP2Precision
 from lightning_fsdp.trainer.resilience import SafeOnExceptionCheckpoint
 
-__all__ = ["FSDP2Precision", "MemoryReport", "SafeOnExceptionCheckpoint", "ShardedEMA"]
+__all__ = ["FSDP2Precision", "LossCurve", "MemoryReport", "SafeOnExceptionCheckpoint", "ShardedEMA"]

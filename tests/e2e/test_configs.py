@@ -46,8 +46,10 @@ def options(group: str) -> list[str]:
 
 
 def compose(tmp_path: Path, *overrides: str):
-    """The job config as `lightning-fsdp train` would see it, writing under ``tmp_path`` (nothing is created)."""
-    return compose_config([f"paths.log_dir={tmp_path}", *overrides])
+    """The job config as `lightning-fsdp train` would see it, writing under ``tmp_path`` (nothing is created); the
+    groups' own defaults (the GPT of ``experiment=gpt_pretrain``) unless an experiment is named."""
+    experiment = [] if any(o.startswith("experiment=") for o in overrides) else ["experiment=gpt_pretrain"]
+    return compose_config([f"paths.log_dir={tmp_path}", *experiment, *overrides])
 
 
 def test_every_group_has_options_and_the_layout_is_complete():
@@ -61,14 +63,29 @@ def test_every_group_has_options_and_the_layout_is_complete():
         assert path.read_text().startswith("# @package _global_"), path.name
 
 
-def test_default_config_is_the_embedded_job(tmp_path):
+def test_default_config_is_the_real_fine_tune(tmp_path):
+    """No overrides: the packaged SmolLM2 GGUF, LoRA, the docstring data, evaluation, the loss curve, exports."""
+    from tests.helpers.real_model import smollm2_gguf
+
+    cfg = compose_config([f"paths.log_dir={tmp_path}"])
+    validate_config(cfg)
+    assert cfg.task_name == "assistant" and cfg.strategy._target_ == "lightning_fsdp.FSDPCustomStrategy"
+    assert cfg.trainer.devices == 2 and cfg.trainer.accelerator == "cpu"
+    assert Path(cfg.model.model_dir) == smollm2_gguf() == Path(cfg.strategy.pretrained_weights) == Path(cfg.data.tokenizer)
+    assert cfg.model.lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert cfg.demo_data._target_.endswith("write_docstring_chat") and cfg.data.path.startswith(cfg.demo_data.dir)
+    assert {"held_out_answers", "loss_curve", "progress_bar"} <= set(cfg.callbacks)
+    assert list(cfg.export.formats) == ["hf", "peft"]
+    assert not list(tmp_path.iterdir())  # composing creates no folder
+
+
+def test_gpt_pretrain_is_the_groups_own_defaults(tmp_path):
     cfg = compose(tmp_path)
     validate_config(cfg)
-    assert cfg.strategy._target_ == "lightning_fsdp.FSDPCustomStrategy" and cfg.trainer.devices == 2
-    assert cfg.trainer.accelerator == "cpu" and cfg.model._target_.endswith("GPTLightningModule")
-    assert cfg.model.seq_len == cfg.data.seq_len
+    assert cfg.task_name == "gpt_pretrain" and cfg.model._target_.endswith("GPTLightningModule")
+    assert cfg.model.seq_len == cfg.data.seq_len and cfg.sample.prompt
     assert cfg.paths.output_dir.startswith(str(tmp_path))
-    assert not list(tmp_path.iterdir())  # composing creates no folder
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("option", options("strategy"))

@@ -61,11 +61,11 @@ def consolidate(checkpoint_dir: Path, out: Path, cwd: Path) -> Path:
     return out
 
 
-def test_default_job_briefly_logs_checkpoints_and_learns(tmp_path):
-    """The embedded default (GPT ~4.8M params, fsdp_custom, 2 CPU processes), shortened to 16 steps."""
-    proc = check(cli(["train", "trainer.max_steps=16", "trainer.val_check_interval=8", "trainer.log_every_n_steps=2",
-                      "sample.max_new_tokens=24"], tmp_path))
-    run_dir = only_run_dir(tmp_path, "train")
+def test_gpt_pretrain_briefly_logs_checkpoints_and_learns(tmp_path):
+    """The GPT trained from scratch (~4.8M params, fsdp_custom, 2 CPU processes), shortened to 16 steps."""
+    proc = check(cli(["train", "experiment=gpt_pretrain", "trainer.max_steps=16", "trainer.val_check_interval=8",
+                      "trainer.log_every_n_steps=2", "sample.max_new_tokens=24"], tmp_path))
+    run_dir = only_run_dir(tmp_path, "gpt_pretrain")
     result = summary(run_dir)
     assert result["state"] == "finished" and result["global_step"] == 16 and result["world_size"] == 2
     assert result["wrapped_units"] == [f"net.blocks.{i}" for i in range(6)] + [""]
@@ -193,24 +193,24 @@ def test_every_experiment_runs_with_a_debug_override(tmp_path, experiment):
 @pytest.mark.slow
 def test_multirun_runs_each_job_in_its_own_folder(tmp_path):
     """`-m` (via `python -m lightning_fsdp`): one folder per job, no folder of the ranks' own, jobs isolated."""
-    proc = check(cli(["train", "-m", "model=gpt_tiny", "debug=fast_dev_run", SMALL_CORPUS, "seed=1,2"], tmp_path,
-                     module=True))
+    proc = check(cli(["train", "-m", "experiment=gpt_pretrain", "model=gpt_tiny", "debug=fast_dev_run", SMALL_CORPUS,
+                      "seed=1,2"], tmp_path, module=True))
     assert "Launching 2 jobs" in proc.stdout + proc.stderr
-    sweeps = list((tmp_path / "outputs" / "train" / "multiruns").iterdir())
+    sweeps = list((tmp_path / "outputs" / "gpt_pretrain" / "multiruns").iterdir())
     assert len(sweeps) == 1
     jobs = sorted(p.name for p in sweeps[0].iterdir() if p.is_dir())
     assert jobs == ["0", "1"]
     for job in jobs:
         result = summary(sweeps[0] / job)
         assert result["state"] == "finished" and result["world_size"] == 2
-    assert not (tmp_path / "outputs" / "train" / "runs").exists()
+    assert not (tmp_path / "outputs" / "gpt_pretrain" / "runs").exists()
 
 
 def test_torchrun_ranks_share_the_given_run_dir(tmp_path):
     """An external launcher starts every rank; ranks > 0 compose the config without creating folders."""
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lightning_fsdp",
-         "train", "model=gpt_tiny", "debug=steps", SMALL_CORPUS, "hydra.run.dir=shared/run"],
+         "train", "experiment=gpt_pretrain", "model=gpt_tiny", "debug=steps", SMALL_CORPUS, "hydra.run.dir=shared/run"],
         cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300,
     )
     check(proc)

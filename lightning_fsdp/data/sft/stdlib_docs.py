@@ -1,0 +1,112 @@
+"""A domain fine-tuning set that ships with Python: questions about standard-library functions, answered by their docs.
+
+Each sample asks what a function does (``What does `math.log10` do?``) and is answered by the first paragraph of
+its docstring (``Return the base 10 logarithm of x.``): real text written by CPython's authors, in the terse voice of
+the reference documentation, which a general chat model does not speak. The held-out split is by function, decided
+by a hash of its qualified name, so no held-out answer is ever seen in training. Nothing is downloaded; the set
+depends only on the running Python's standard library (and is cached by content like any data file).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import re
+import shutil
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Union
+
+__all__ = ["DOCUMENTED_MODULES", "docstring_pairs", "write_docstring_chat"]
+
+#: modules whose public functions are asked about: common, pure-Python-visible, documented one line at a time
+DOCUMENTED_MODULES = (
+    "math", "cmath", "statistics", "string", "textwrap", "os.path", "shutil", "json", "random", "itertools",
+    "functools", "operator", "heapq", "bisect", "fnmatch", "glob", "base64", "binascii", "zlib", "difflib",
+    "calendar", "html", "urllib.parse", "keyword", "copy", "csv", "secrets", "time", "struct", "re", "ipaddress",
+    "hashlib", "tempfile", "gzip", "unicodedata", "colorsys", "shlex", "filecmp", "os", "sys", "inspect", "platform",
+    "locale", "codecs", "pprint", "zipfile", "tarfile", "webbrowser", "mimetypes", "socket", "select", "signal",
+)
+#: built-in types whose methods are asked about as ``str.upper``
+DOCUMENTED_TYPES = (str, bytes, list, dict, set, int, float)
+_QUESTIONS = (
+    "What does `{}` do?",
+    "In Python, what is `{}` for?",
+    "Explain `{}` in one sentence.",
+    "What does the function `{}` do?",
+)
+_SIGNATURE = re.compile(r"^[\w.]+\(.*\)(\s*->.*)?$|->")
+
+
+def _first_paragraph(doc: str) -> str:
+    """The first paragraph that is prose, not a ``name(args) -> result`` signature line, as one line."""
+    for paragraph in doc.split("\n\n"):
+        text = " ".join(line.strip() for line in paragraph.strip().splitlines())
+        if text and not _SIGNATURE.search(text):
+            return text
+    return ""
+
+
+def _documented(owner: Any, prefix: str) -> Iterator[tuple[str, str]]:
+    for name in sorted(dir(owner)):
+        if name.startswith("_"):
+            continue
+        obj = getattr(owner, name, None)
+        if not callable(obj) or inspect.isclass(obj):
+            continue
+        if inspect.ismodule(owner) and getattr(obj, "__module__", None) not in (None, owner.__name__) and not (
+            str(getattr(obj, "__module__", "")).lstrip("_") in owner.__name__  # `os.path` is `posixpath`
+        ):
+            continue  # re-exported from elsewhere: asked about where it is defined
+        doc = inspect.getdoc(obj) or ""
+        answer = _first_paragraph(doc)
+        if 20 <= len(answer) <= 220:
+            yield f"{prefix}.{name}", answer
+
+
+def docstring_pairs() -> list[tuple[str, str]]:
+    """``(qualified name, first docstring paragraph)`` of every documented function, each name once, sorted."""
+    pairs: dict[str, str] = {}
+    for module_name in DOCUMENTED_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # a platform without it (e.g. no `select` somewhere)
+            continue
+        pairs.update(_documented(module, module_name))
+    for owner in DOCUMENTED_TYPES:
+        pairs.update(_documented(owner, owner.__name__))
+    return sorted(pairs.items())
+
+
+def _is_held_out(name: str, every: int) -> bool:
+    return zlib.crc32(name.encode()) % every == 0
+
+
+def _row(name: str, answer: str) -> dict[str, Any]:
+    question = _QUESTIONS[zlib.crc32(name.encode(), 1) % len(_QUESTIONS)].format(name)
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+def write_docstring_chat(dir: Union[str, Path], held_out_every: int = 10) -> Path:
+    """``dir/train.jsonl`` and ``dir/val.jsonl`` (chat ``messages``); about one function in ``held_out_every`` is
+    held out. Written to a hidden sibling and renamed into place; an existing set is kept. Returns ``dir``."""
+    root = Path(dir)
+    if (root / "val.jsonl").exists():
+        return root
+    tmp = root.with_name(f".{root.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    splits: dict[str, list[str]] = {"train": [], "val": []}
+    for name, answer in docstring_pairs():
+        splits["val" if _is_held_out(name, held_out_every) else "train"].append(json.dumps(_row(name, answer)) + "\n")
+    for split, lines in splits.items():
+        (tmp / f"{split}.jsonl").write_text("".join(lines))
+    root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, root)
+    except OSError:  # written meanwhile by another process
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
