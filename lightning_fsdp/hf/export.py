@@ -6,7 +6,7 @@ directory, or of ``--hf-config``), keys without the LightningModule's attribute 
 into its base: each LoRA layer is materialised alone, filled with its base and adapter weights and merged by PEFT's
 own ``merge`` (DoRA and ``fan_in_fan_out`` included), so memory stays near one output shard. ``--format peft``
 writes the adapter alone through ``PeftModel.save_pretrained`` (``PeftModel.from_pretrained`` loads it).
-:func:`load_hf_model` builds the model ``--format hf`` writes in memory instead, for ``lightning-fsdp chat CKPT``.
+:func:`lightning_fsdp.hf.in_memory.load_hf_model` builds the model ``--format hf`` writes in memory instead.
 
 The base weights of a LoRA checkpoint come from the pretrained directory it recorded (checked against its identity
 first) or from ``--base DIR``. A QLoRA checkpoint (``quantize_base``) is merged into that original full-precision
@@ -251,51 +251,6 @@ def plain_model_sources(
     return names, sources
 
 
-def load_hf_model(
-    src: Union[str, Path],
-    *,
-    base: Optional[Union[str, Path]] = None,
-    dtype: Optional[Union[str, torch.dtype]] = None,
-    verify: bool = True,
-    weights: str = "model",
-    merge_into: str = "original",
-) -> tuple[PreTrainedModel, Optional[Path]]:
-    """The checkpoint's HF model on the CPU in memory, the model :func:`export_hf` would write (LoRA merged, in
-    ``dtype``, by default the trained one), so it can be used without an export on disk; and the directory its
-    tokenizer and generation files come from (``None`` when the checkpoint names none)."""
-    src = Path(src)
-    target_dtype = parse_dtype(dtype, "--dtype")
-    tensors = CheckpointTensors(src, base, verify, weights=weights, merge_into=merge_into)
-    try:
-        info = tensors.require_info(None)
-        model = build_skeleton(info, with_adapters=False, real_buffers=True)
-        ties = tied_aliases(model)
-        names, sources = plain_model_sources(tensors, info, model)
-        target = target_dtype or _dtype_of(tensors)
-        state = {model_key: sources[key]().to(target) for model_key, key in names.items()}
-        unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
-        del state
-        for alias, canonical in ties.items():  # assigning replaced the shared Parameter on one side only
-            owner, _, leaf = alias.rpartition(".")
-            setattr(model.get_submodule(owner), leaf, model.get_parameter(canonical))
-        missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-        if unexpected or missing:
-            raise CheckpointError(
-                f"{src} does not fit the {info['class']} it describes: "
-                + "; ".join(f"{what} {short_list(keys)}" for what, keys in
-                            (("unexpected", unexpected), ("missing", missing)) if keys)
-            )
-        side_dir = tensors.base_root or _existing(info.get("source"))
-    finally:
-        tensors.close()
-    if side_dir is not None and (side_dir / "generation_config.json").is_file():  # as from_pretrained(export) reads
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(str(side_dir))
-    model.eval()
-    return model, side_dir
-
-
 def export_hf(
     src: Union[str, Path],
     dst: Union[str, Path],
@@ -320,7 +275,7 @@ def export_hf(
         info = tensors.require_info(Path(hf_config) if hf_config else None)
         skeleton = build_skeleton(info, with_adapters=False)
         names, sources = plain_model_sources(tensors, info, skeleton, merge)
-        target = out_dtype or _dtype_of(tensors)
+        target = out_dtype or checkpoint_dtype(tensors)
         shards = _plan_shards(names, tensors.shapes, target, limit)
         with commit_ops.staged(dst, directory=True) as staging:
             weight_map: dict[str, str] = {}
@@ -340,7 +295,7 @@ def export_hf(
             if len(shards) > 1:
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 (staging / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
-            side_dir = Path(hf_config) if hf_config else tensors.base_root or _existing(info.get("source"))
+            side_dir = Path(hf_config) if hf_config else tensors.base_root or existing_path(info.get("source"))
             _write_side_files(staging, info, side_dir, target)
     finally:
         tensors.close()
@@ -388,7 +343,7 @@ def _plan_shards(
     return [s for s in shards if s]
 
 
-def _existing(path: Optional[str]) -> Optional[Path]:
+def existing_path(path: Optional[str]) -> Optional[Path]:
     return Path(path) if path and Path(path).is_dir() else None
 
 
@@ -396,7 +351,7 @@ def _natural(key: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in key.split(".")]
 
 
-def _dtype_of(tensors: CheckpointTensors) -> torch.dtype:
+def checkpoint_dtype(tensors: CheckpointTensors) -> torch.dtype:
     floats = [dtype for dtype, _ in tensors.shapes.values() if dtype.is_floating_point]
     return max(set(floats), key=floats.count) if floats else torch.float32
 
