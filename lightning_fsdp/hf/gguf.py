@@ -119,12 +119,14 @@ def import_gguf(path: Union[str, Path], dst: Union[str, Path, None] = None, *, f
     shutil.rmtree(staging, ignore_errors=True)
     try:
         _convert(path, staging)
-        if target.exists():  # force, or another process finished first: its copy is the same content
-            if not force:
-                shutil.rmtree(staging)
-                return target
+        if target.exists() and force:
             shutil.rmtree(target)
-        os.replace(staging, target)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process renamed its conversion into place first: the same content, kept
+            if not (target / "config.json").is_file():
+                raise
+            return target
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.warning("Converted %s into the Hugging Face directory %s", path, target)
