@@ -16,6 +16,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
 import torch
@@ -23,15 +24,14 @@ import torch
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed import Store
-    from torch.distributed.device_mesh import DeviceMesh
 
 #: the version every internal below was checked against
 TESTED_TORCH = "2.13"
 
 __all__ = [
     "compile_errors", "compiled_graph_count", "composable_checkpoint", "dcp_metadata_path", "dcp_set_element",
-    "dcp_unpickle_allowlist", "default_store", "distributed_rng_supported", "fast_paths", "FastPathLost",
-    "foreach_copy_", "foreach_lerp_", "foreach_mul_", "has_forward_hooks", "hf_init_weights", "hf_storage_info",
+    "dcp_unpickle_allowlist", "default_store", "fast_paths", "FastPathLost", "foreach_copy_", "foreach_lerp_",
+    "foreach_mul_", "has_forward_hooks", "hf_init_weights", "hf_storage_info", "intercept_dispatch",
     "keep_root_gathered", "load_in_place", "metric_states", "private_reset_parameters", "reset_sharded_params",
     "set_metric_defaults", "spectral_norm_vectors", "swaps_on_conversion", "use_file_system", "warn_lost",
 ]
@@ -117,16 +117,6 @@ def _probe_root_gather() -> bool:
         )
     except (ImportError, AttributeError, OSError, TypeError):
         return False
-
-
-# -- DTensor: distributed random numbers ----------------------------------------------------------------------------
-def distributed_rng_supported(mesh: DeviceMesh) -> bool:
-    """Whether DTensor draws each shard as a slice of one random stream on ``mesh`` (CUDA-like meshes)."""
-    try:
-        from torch.distributed.tensor._random import is_rng_supported_mesh
-    except ImportError:
-        return mesh.device_type == "cuda"
-    return bool(is_rng_supported_mesh(mesh))
 
 
 # -- activation checkpointing -----------------------------------------------------------------------------------------
@@ -295,6 +285,32 @@ def private_reset_parameters(module: nn.Module) -> Optional[Callable[[], None]]:
     if not callable(reset) or any(p.default is p.empty for p in inspect.signature(reset).parameters.values()):
         return None  # not an initialiser that runs on its own
     return reset
+
+
+#: ``handler(op, args, kwargs)`` → the op's result, or ``NotImplemented`` to run the op as usual
+DispatchHandler = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+
+
+def intercept_dispatch(handler: DispatchHandler) -> AbstractContextManager[Any]:
+    """A context in which every ATen op call (below autograd, above tensor subclasses such as DTensor) is offered to
+    ``handler`` first: a ``TorchDispatchMode``. A function mode would not do: ``torch.nn.init.*`` hand themselves to
+    function modes whole, so the ``Tensor.uniform_`` inside them never reaches one."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError as err:
+        raise _requirement(
+            "torch.utils._python_dispatch.TorchDispatchMode", "meta-device initialisation of a sharded model", err
+        ) from err
+
+    class Intercept(TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
+        ) -> Any:
+            kwargs = kwargs or {}
+            result = handler(func, args, kwargs)
+            return func(*args, **kwargs) if result is NotImplemented else result
+
+    return Intercept()
 
 
 def swaps_on_conversion(tensor: torch.Tensor) -> bool:

@@ -93,6 +93,13 @@ def peft_adapter_rule(model: nn.Module, name: str, module: nn.Module) -> Optiona
 
     def init() -> None:
         for adapter, how in inits.items():
+            # as PEFT's eager `update_layer` does: the adapter's Linear layers draw torch's default init when they
+            # are made, then PEFT re-initialises them; replaying both keeps the random stream, and so lora_A, equal
+            # to an eager `get_peft_model` with the same seed
+            for matrices in (layer.lora_A, layer.lora_B):
+                reset = getattr(matrices[adapter], "reset_parameters", None) if adapter in matrices else None
+                if callable(reset):
+                    reset()
             layer.reset_lora_parameters(adapter, how)
 
     return (("peft", id(layer), tuple(adapters)), init)

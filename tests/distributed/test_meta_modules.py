@@ -3,10 +3,10 @@ layers, parametrizations and torchmetrics come out right. One process launch (``
 serves every test here; the single-process reference runs in this process.
 
 What is exact and what is distributional: in one process a meta-device build materialises bit for bit as an eager
-build (``tests/unit/test_meta_init.py``). Sharded on a CPU mesh each shard draws from its own seed, so random
-tensors match eager construction in distribution (mean, spread, range) and deterministic ones exactly (zeros where
-torch zeroes, ones, constants, buffers); training from the sharded run's initial weights equals one process at fp32
-default tolerances.
+build (``tests/unit/test_meta_init.py``). Sharded, every random fill is drawn whole from one stream and each rank
+keeps its rows, so random tensors equal eager construction too, except where torch's own construction differs from
+its initialiser (the ``nn.Transformer*`` stacks deep-copy one layer: compared in distribution); training from the
+sharded run's initial weights equals one process at fp32 default tolerances.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ the meta device, PEFT LoRA on it, ``quantize_base="nf4"`` with torchao, gloo pro
 The reference is one process: ``from_pretrained``, LoRA, and every frozen projection weight of the decoder layers
 replaced by torchao's ``to_nf4`` of its bf16 value — QLoRA's definition of the quantized base. The sharded runs
 quantize as they load, each rank from its own rows, and must hold exactly that base. They start from the reference's
-initial adapters (a CPU mesh initialises random adapters shard by shard, so their draws would differ).
+initial adapters, loaded, so that the comparison is about the quantized base alone.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -137,11 +138,71 @@ def test_fp16_mixed_with_sharded_grad_scaler(tmp_path):
     assert torch.isfinite(losses).all() and losses[-1] < losses[0]
 
 
-def test_meta_init_draws_different_random_numbers_per_shard(tmp_path):
-    """On CPU meshes DTensor has no distributed RNG: without care every shard would get the same values."""
-    out = tmp_path / "rng.json"
-    proc = run_python([str(SCRIPTS / "meta_init_rng.py"), str(out)], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    halves_equal = json.loads(out.read_text())
-    assert halves_equal, "no evenly split 2-D parameter was checked"
-    assert not any(halves_equal.values()), halves_equal
+def _eager_initialisation(llama_dir):
+    """Each model built in this process on the CPU with the seed the runs use: the GPT and LoRA on a pretrained Llama
+    exactly as a user builds them (``from_pretrained`` then ``get_peft_model``). The random Llama is initialised from
+    that seed again by Hugging Face's ``_init_weights`` (children before parents): its eager construction also draws
+    torch's default init of every layer before transformers overwrites it, numbers a meta-device build never draws."""
+    from lightning_fsdp.models import HFCausalLM
+    from lightning_fsdp.models.gpt import GPTLightningModule
+    from tests.helpers.hf import LORA
+
+    def post_order(module, name=""):
+        for child_name, child in module.named_children():
+            yield from post_order(child, f"{name}.{child_name}" if name else child_name)
+        yield name, module
+
+    torch.manual_seed(0)
+    gpt = GPTLightningModule(vocab_size=256, n_layer=2, n_head=2, d_model=64, seq_len=16)
+    gpt.configure_model()
+    llama = HFCausalLM(model_dir=str(llama_dir))
+    llama.configure_model()
+    torch.manual_seed(0)
+    lora = HFCausalLM(model_dir=str(llama_dir), lora=LORA, from_pretrained=True)  # plain from_pretrained + PEFT
+    lora.configure_model()
+    with torch.no_grad():
+        torch.manual_seed(0)
+        for _, module in post_order(llama.model):
+            llama.model._init_weights(module)
+    return {name: {n: p.detach().clone() for n, p in m.named_parameters()} for name, m in
+            (("gpt", gpt), ("llama", llama), ("llama_lora", lora))}
+
+
+def test_meta_init_draws_the_same_values_at_any_world_size(tmp_path):
+    """A meta-device model's random initialisation does not depend on the number of ranks: each random fill is drawn
+    for the whole tensor and each rank keeps its rows, so 1, 2 and 4 ranks (uneven shards: vocabulary 37, MLP 150) and
+    a 2 x 2 HSDP mesh give one eager process's numbers: the packaged GPT, a random Llama, LoRA on a pretrained one;
+    also when each rank was seeded otherwise (every rank draws from rank 0's stream)."""
+    from tests.helpers.hf import write_llama
+
+    llama_dir = write_llama(tmp_path / "llama")
+
+    def launch(devices):
+        out = tmp_path / f"ranks{devices}"
+        out.mkdir()
+        proc = run_python([str(SCRIPTS / "meta_init_rng.py"), str(out), str(devices), str(llama_dir)], timeout=300)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        return {f.stem: torch.load(f, weights_only=True) for f in out.glob("*.pt")}
+
+    # the three launches at once (mostly process start-up, which overlaps well on 2 cores), the reference meanwhile
+    with ThreadPoolExecutor(3) as pool:
+        launched = {devices: pool.submit(launch, devices) for devices in (4, 2, 1)}
+        eager = _eager_initialisation(llama_dir)
+        runs = {devices: future.result() for devices, future in launched.items()}
+    runs["2x2"] = {"llama": runs[4].pop("llama_hsdp")}
+    # each rank seeded otherwise before building: every rank draws from rank 0's stream (seed 0 here)
+    runs["seed+rank"] = {"gpt": runs[2].pop("gpt_rank_seeded")}
+    runs["seed+rank, 4"] = {"gpt": runs[4].pop("gpt_rank_seeded")}
+    models = ["gpt", "llama", "llama_lora"]
+    assert {name: sorted(run) for name, run in runs.items()} == {
+        1: models, 2: models, 4: models, "2x2": ["llama"], "seed+rank": ["gpt"], "seed+rank, 4": ["gpt"]
+    }
+    for ranks, run in runs.items():
+        for model, params in run.items():
+            assert params.keys() == eager[model].keys(), (ranks, model)
+            different = [n for n, value in params.items() if not torch.equal(value, eager[model][n])]
+            assert not different, (ranks, model, different)
+    # the LoRA run loaded its base (equal to the pretrained files above) and drew only the adapters: A random, B zero
+    adapters = {k: v for k, v in runs[2]["llama_lora"].items() if "lora_" in k}
+    assert len(adapters) == 8
+    assert all((v.abs().sum() > 0) == ("lora_A" in k) for k, v in adapters.items())
