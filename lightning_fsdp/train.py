@@ -108,11 +108,13 @@ def export_last_checkpoint(trainer: Any, export_cfg: DictConfig) -> dict[str, st
     last = getattr(trainer.checkpoint_callback, "last_model_path", "")
     if not last:
         raise RuntimeError("`export` needs a checkpoint: keep the model_checkpoint callback with save_last: true.")
-    suffix = {"ckpt": "model.ckpt", "safetensors": "model.safetensors", "hf": "hf_model", "peft": "adapter"}
+    suffix = {"ckpt": "model.ckpt", "safetensors": "model.safetensors", "hf": "hf_model", "peft": "adapter",
+              "gguf": "model.gguf"}
     written = {}
     for fmt in export_cfg.formats:
         dst = Path(str(export_cfg.dir)) / suffix[fmt]
-        if consolidate([last, str(dst), "--format", fmt, "--no-progress"]) != 0:
+        replace = ["--force"] if fmt == "gguf" else []  # as the other formats replace an earlier run's export
+        if consolidate([last, str(dst), "--format", fmt, "--no-progress", *replace]) != 0:
             raise RuntimeError(f"Exporting {last} as {fmt} failed; see the error above.")
         print(f"exported {last} as {fmt}: {dst}", flush=True)
         written[fmt] = str(dst)
