@@ -19,6 +19,7 @@ holds a Hugging Face model (``pl_module.model``), else token by token through ``
 from __future__ import annotations
 
 import textwrap
+import time
 from collections.abc import Callable
 from typing import Any, Optional, TypeVar
 
@@ -141,15 +142,21 @@ class HeldOutAnswers(Callback):
     def __init__(self, count: int = 32, max_new_tokens: int = 48, show: int = 4, batch_size: int = 32) -> None:
         self.count, self.max_new_tokens, self.show, self.batch_size = count, max_new_tokens, show, batch_size
         self.results: dict[str, dict[str, float]] = {}
+        self.seconds: dict[str, float] = {}
+        self._validated: Optional[tuple[int, float]] = None  # (step, val_loss) of Lightning's last validation
         self._first_answers: list[str] = []
 
     def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Optional[tuple[dict[str, float], list[Any]]]:
         datamodule: Any = getattr(trainer, "datamodule", None)
         examples = datamodule.held_out_examples(self.count) if hasattr(datamodule, "held_out_examples") else []
         metrics: dict[str, float] = {}
-        loss = held_out_loss(trainer, pl_module)
+        started = time.perf_counter()
+        loss = self._validated_loss(trainer)
+        if loss is None:
+            loss = held_out_loss(trainer, pl_module)
         if loss is not None:
             metrics["loss"] = loss
+        self.seconds = {"loss": time.perf_counter() - started}
         if not examples:
             return (metrics, []) if metrics else None
         tokenizer = datamodule.tokenizer
@@ -165,11 +172,26 @@ class HeldOutAnswers(Callback):
         metrics["rougeL"] = float(rouge["rougeL_fmeasure"])
         metrics["exact_match"] = sum(t == r for t, r in zip(texts, references)) / len(examples)
         rows = [(question, reference, text) for (_, question, reference), text in zip(examples, texts)]
+        self.seconds["answers"] = time.perf_counter() - started - self.seconds["loss"]
         return metrics, rows
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        value = trainer.callback_metrics.get("val_loss")
+        self._validated = (trainer.global_step, float(value)) if value is not None else None
+
+    def _validated_loss(self, trainer: L.Trainer) -> Optional[float]:
+        """Lightning's ``val_loss`` when it was just computed over the whole held-out set at this very step (the
+        same per-token mean ``held_out_loss`` computes), so the last validation is not run twice."""
+        if self._validated is None or self._validated[0] != trainer.global_step or trainer.sanity_checking:
+            return None
+        whole = trainer.limit_val_batches == 1.0 and not isinstance(trainer.limit_val_batches, int)
+        return self._validated[1] if whole else None
 
     def _report(self, trainer: L.Trainer, when: str, metrics: dict[str, float]) -> None:
         figures = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
-        print(f"Held-out set {when}: {figures}", flush=True)
+        took = " + ".join(f"{what} {seconds:.1f} s" for what, seconds in self.seconds.items())
+        print(f"Held-out set {when}: {figures} ({took})", flush=True)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -75,7 +75,7 @@ def test_default_config_is_the_real_fine_tune(tmp_path):
     assert cfg.model.lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert cfg.demo_data._target_.endswith("write_docstring_chat") and cfg.data.path.startswith(cfg.demo_data.dir)
     assert {"held_out_answers", "loss_curve", "progress_bar"} <= set(cfg.callbacks)
-    assert list(cfg.export.formats) == ["hf", "peft"]
+    assert list(cfg.export.formats) == ["hf", "peft", "gguf"]
     assert not list(tmp_path.iterdir())  # composing creates no folder
 
 

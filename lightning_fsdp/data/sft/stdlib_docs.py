@@ -13,6 +13,7 @@ import importlib
 import inspect
 import json
 import os
+import random
 import re
 import shutil
 import zlib
@@ -103,6 +104,7 @@ def write_docstring_chat(dir: Union[str, Path], held_out_every: int = 10) -> Pat
     for name, answer in docstring_pairs():
         splits["val" if _is_held_out(name, held_out_every) else "train"].append(json.dumps(_row(name, answer)) + "\n")
     for split, lines in splits.items():
+        random.Random(0).shuffle(lines)  # the first held-out questions (those answered and shown) span the modules
         (tmp / f"{split}.jsonl").write_text("".join(lines))
     root.parent.mkdir(parents=True, exist_ok=True)
     try:
