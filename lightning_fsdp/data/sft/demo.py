@@ -13,9 +13,9 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, Union
 
-__all__ = ["CHATML_TEMPLATE", "chat_demo_rows", "train_tokenizer", "write_chat_demo"]
+__all__ = ["CHATML_TEMPLATE", "chat_demo_rows", "train_tokenizer", "write_chat_demo", "write_directory_once"]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -73,23 +73,31 @@ def train_tokenizer(texts: list[str], vocab_size: int = 512, chat_template: str 
     return tokenizer
 
 
-def write_chat_demo(root: Union[str, Path], train: int = 4000, val: int = 200, seed: int = 0) -> Path:
-    """``root/train.jsonl``, ``root/val.jsonl`` and ``root/tokenizer/``; written to a hidden sibling and renamed
-    into place, so a half-written demo never looks complete. Returns ``root``."""
-    root = Path(root)
-    if (root / "tokenizer" / "tokenizer.json").exists():
+def write_directory_once(root: Path, done: str, fill: Callable[[Path], None]) -> Path:
+    """``root`` as ``fill(staging)`` writes it, unless ``root/done`` exists already: written to a hidden sibling
+    and renamed into place, so a half-written set never looks complete. Returns ``root``."""
+    if (root / done).exists():
         return root
     tmp = root.with_name(f".{root.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    splits = {"train": chat_demo_rows(train, seed), "val": chat_demo_rows(val, seed + 1)}
-    for name, rows in splits.items():
-        (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    texts = [m["content"] for r in splits["train"] for m in r["messages"]] + ["user\n", "assistant\n", "system\n"] * 100
-    train_tokenizer(texts).save_pretrained(str(tmp / "tokenizer"))
+    fill(tmp)
     root.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.replace(tmp, root)
     except OSError:  # written meanwhile by another process
         shutil.rmtree(tmp, ignore_errors=True)
     return root
+
+
+def write_chat_demo(root: Union[str, Path], train: int = 4000, val: int = 200, seed: int = 0) -> Path:
+    """``root/train.jsonl``, ``root/val.jsonl`` and ``root/tokenizer/``, written once. Returns ``root``."""
+
+    def fill(tmp: Path) -> None:
+        splits = {"train": chat_demo_rows(train, seed), "val": chat_demo_rows(val, seed + 1)}
+        for name, rows in splits.items():
+            (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        texts = [m["content"] for r in splits["train"] for m in r["messages"]] + ["user\n", "assistant\n", "system\n"] * 100
+        train_tokenizer(texts).save_pretrained(str(tmp / "tokenizer"))
+
+    return write_directory_once(Path(root), "tokenizer/tokenizer.json", fill)

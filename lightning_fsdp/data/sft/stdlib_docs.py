@@ -12,14 +12,14 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import os
 import random
 import re
-import shutil
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Union
+
+from lightning_fsdp.data.sft.demo import write_directory_once
 
 __all__ = ["DOCUMENTED_MODULES", "docstring_pairs", "write_docstring_chat"]
 
@@ -94,21 +94,14 @@ def _row(name: str, answer: str) -> dict[str, Any]:
 def write_docstring_chat(dir: Union[str, Path], held_out_every: int = 10) -> Path:
     """``dir/train.jsonl`` and ``dir/val.jsonl`` (chat ``messages``); about one function in ``held_out_every`` is
     held out. Written to a hidden sibling and renamed into place; an existing set is kept. Returns ``dir``."""
-    root = Path(dir)
-    if (root / "val.jsonl").exists():
-        return root
-    tmp = root.with_name(f".{root.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    splits: dict[str, list[str]] = {"train": [], "val": []}
-    for name, answer in docstring_pairs():
-        splits["val" if _is_held_out(name, held_out_every) else "train"].append(json.dumps(_row(name, answer)) + "\n")
-    for split, lines in splits.items():
-        random.Random(0).shuffle(lines)  # the first held-out questions (those answered and shown) span the modules
-        (tmp / f"{split}.jsonl").write_text("".join(lines))
-    root.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, root)
-    except OSError:  # written meanwhile by another process
-        shutil.rmtree(tmp, ignore_errors=True)
-    return root
+
+    def fill(tmp: Path) -> None:
+        splits: dict[str, list[str]] = {"train": [], "val": []}
+        for name, answer in docstring_pairs():
+            split = "val" if _is_held_out(name, held_out_every) else "train"
+            splits[split].append(json.dumps(_row(name, answer)) + "\n")
+        for split, lines in splits.items():
+            random.Random(0).shuffle(lines)  # the first held-out questions (those answered and shown) span the modules
+            (tmp / f"{split}.jsonl").write_text("".join(lines))
+
+    return write_directory_once(Path(dir), "val.jsonl", fill)
