@@ -158,8 +158,8 @@ def _convert(path: Path, out: Path) -> None:
 
 
 @functools.lru_cache(maxsize=32)
-def _resolved(path: str, size: int, mtime_ns: int) -> Path:
-    return import_gguf(path)
+def _resolved(path: str, size: int, mtime_ns: int, cache_root: Path) -> Path:
+    return import_gguf(path, gguf_cache_dir(path, cache_root))
 
 
 def resolve_model_source(path: Union[str, Path]) -> Union[str, Path]:
@@ -169,4 +169,4 @@ def resolve_model_source(path: Union[str, Path]) -> Union[str, Path]:
     if not Path(path).is_file():
         check_gguf(path)  # raises with the reason
     stat = Path(path).stat()
-    return str(_resolved(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns))
+    return str(_resolved(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns, _default_cache_root()))

