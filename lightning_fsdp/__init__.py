@@ -4,7 +4,11 @@
 ``fsdp_custom_qlora`` for ``Trainer(strategy=...)`` and ``Fabric(strategy=...)``.
 """
 
-from lightning_fsdp._version import __version__
+from lightning_fsdp import _warm_start
+
+_warm_start.begin_if_requested()  # `lightning-fsdp train` on N devices: ranks 1..N-1 import alongside this one
+
+from lightning_fsdp._version import __version__  # noqa: E402
 from lightning_fsdp.averaging import ShardedAverage
 from lightning_fsdp.checkpoint import CheckpointError, consolidate_checkpoint, load_pretrained, verify_checkpoint
 from lightning_fsdp.fabric import FSDP2FabricPrecision, FSDPCustomFabricStrategy

@@ -82,7 +82,10 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 def start_local_ranks(launcher: Any) -> list[Any]:
     """Start the other local ranks, as Lightning's script launchers (the Trainer's and Fabric's) do at the top of
     their ``launch``."""
-    launcher._call_children_scripts()
+    from lightning_fsdp._warm_start import handing_over
+
+    with handing_over(launcher.num_processes - 1):  # warm processes of `lightning-fsdp train`, when it started some
+        launcher._call_children_scripts()
     return launcher.procs
 
 

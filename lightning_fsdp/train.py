@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from lightning_fsdp import _warm_start
 from lightning_fsdp.train_config import (  # noqa: F401 - part of this command's API
     ConfigError,
     accepted_arguments,
@@ -89,7 +90,7 @@ def run(cfg: DictConfig, *, is_launcher: bool = True) -> dict[str, Any]:
             print(f"\nSample from the trained model (prompt {cfg.sample.prompt!r}):\n{sample}\n", flush=True)
 
     summary = summarize(trainer, sample)
-    if cfg.get("export") and trainer.is_global_zero:
+    if cfg.get("export") and cfg.export.get("formats") and trainer.is_global_zero:  # formats: [] exports nothing
         summary["exports"] = export_last_checkpoint(trainer, cfg.export)
         if "hf" in summary["exports"]:
             print(f"\nChat with the fine-tuned model:\n  lightning-fsdp chat {summary['exports']['hf']}\n", flush=True)
@@ -142,6 +143,7 @@ def summarize(trainer: Any, sample: Optional[str]) -> dict[str, Any]:
         "state": str(trainer.state.status.value),
         "global_step": int(trainer.global_step),
         "world_size": int(trainer.world_size),
+        "warm_started_ranks": _warm_start.handed_over,  # local ranks that imported alongside the first
         "strategy": getattr(strategy, "strategy_name", type(strategy).__name__),
         "metrics": metrics,
         "last_checkpoint": getattr(ckpt, "last_model_path", "") or None,

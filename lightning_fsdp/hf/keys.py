@@ -76,12 +76,22 @@ def detect_layout(
     if key_map:
         return KeyLayout(key_map=dict(key_map))
     files = set(file_keys)
-    best, best_hits = KeyLayout(""), -1
-    for prefix in _prefixes(model_keys):
-        layout = KeyLayout(prefix)
-        hits = sum(1 for k in model_keys if layout.file_key(k) in files)
-        if hits > best_hits:
-            best, best_hits = layout, hits
+    candidates = set(_prefixes(model_keys))
+    # hits per prefix, counted from the keys' own suffixes: each key is split once per depth, rather than every
+    # key mapped under every prefix of the model (thousands of prefixes for a LoRA-wrapped decoder)
+    hits: dict[str, int] = dict.fromkeys(candidates, 0)
+    plain = KeyLayout("")
+    for key in model_keys:
+        normalised = plain.file_key(key)
+        if normalised is None:
+            continue
+        parts = normalised.split(".")
+        for depth in range(len(parts)):
+            prefix = ".".join(parts[:depth]) + "." if depth else ""
+            if prefix in candidates and ".".join(parts[depth:]) in files:
+                hits[prefix] += 1
+    best_hits = max(hits.values(), default=0)
+    best = KeyLayout(min((p for p, n in hits.items() if n == best_hits), key=lambda p: (len(p), p)))
     if best_hits <= 0:
         sample_model = sorted(k for k in model_keys if not is_adapter_key(k))[:3]
         raise CheckpointError(
