@@ -48,6 +48,10 @@ ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
+PEER_NAMES = {"ours": "lightning_fsdp", "trl": "TRL + accelerate FSDP2",
+              "trl_ddp": "TRL + accelerate as it runs on CPU (DDP, unsharded)"}
+
+
 @dataclass(frozen=True)
 class Row:
     """One compared configuration."""
@@ -151,12 +155,14 @@ def _trl_worker(spec: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    _accelerate_fsdp_on_cpu()
+    sharded = spec.get("sharded", True)
+    if sharded:
+        _accelerate_fsdp_on_cpu()
     record = _Record()
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if record.first_step_start is None:  # accelerate falls back to DDP when it cannot shard: not the peer
+            if sharded and record.first_step_start is None:  # accelerate's CPU fallback is DDP: not this peer
                 from torch.distributed.tensor import DTensor
 
                 if not any(isinstance(p, DTensor) for p in kwargs["model"].parameters()):
@@ -267,7 +273,7 @@ def _ours_command(row: Row, model_dir: Path, train: Path, steps: int, out: Path,
 
 def _trl_command(row: Row, model_dir: Path, train: Path, steps: int, out: Path, world: int) -> list[str]:
     spec = {"model_dir": str(model_dir), "train": str(train), "lora": row.lora, "seq_len": row.seq_len,
-            "batch": row.batch, "lr": row.lr, "steps": steps, "output_dir": str(out)}
+            "batch": row.batch, "lr": row.lr, "steps": steps, "output_dir": str(out), "sharded": peer == "trl"}
     config = _accelerate_config(out / "accelerate.yaml", world)
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
             str(Path(__file__).resolve()), "trl-worker", json.dumps(spec)]
@@ -278,7 +284,7 @@ def run_one(peer: str, row: Row, model_dir: Path, train: Path, steps: int, warmu
     out = Path(tempfile.mkdtemp(prefix=f"{peer}-{row.name}-", dir=work))
     records = out / "records"
     records.mkdir()
-    make = _ours_command if peer == "ours" else _trl_command
+    make = _ours_command if peer == "ours" else _trl_command  # "trl_ddp": accelerate's own CPU choice, DDP
     command = make(row, model_dir, train, steps, out, world)
     env = {**os.environ, **(extra_env or {}), "PEER_RECORD_DIR": str(records), "PYTHONPATH": str(REPO),
            "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
@@ -324,7 +330,7 @@ def report(results: list[dict[str, Any]], settings: dict[str, Any]) -> str:
         row = ROWS[name]
         what = f"{'LoRA r=8 q/k/v/o' if row.lora else 'full fine-tune'}, {row.batch}×{row.seq_len} packed/rank, lr {row.lr:g}"
         trl = [r for r in results if r["row"] == name and r["peer"] == "trl"]
-        for peer in ("ours", "trl"):
+        for peer in ("ours", "trl", "trl_ddp"):
             runs = [r for r in results if r["row"] == name and r["peer"] == peer]
             if not runs:
                 continue
@@ -335,7 +341,7 @@ def report(results: list[dict[str, Any]], settings: dict[str, Any]) -> str:
 
             losses = runs[0]["losses"]
             lines.append(
-                f"| {name} | {what} | {'lightning_fsdp' if peer == 'ours' else 'TRL + accelerate'} | {step:.3f} |"
+                f"| {name} | {what} | {PEER_NAMES[peer]} | {step:.3f} |"
                 f" {ratio(step, 'step_s')} | {_median(runs, 'tokens_per_s'):.0f} | {start:.1f} |"
                 f" {ratio(start, 'startup_s')} | {rss:.0f} | {ratio(rss, 'peak_rss_mib')} |"
                 f" {losses[0]:.4f} / {losses[-1]:.4f} |"

@@ -19,6 +19,7 @@ read the devices), since it runs before anything else of the package.
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import subprocess
@@ -33,6 +34,11 @@ WARM_START_ENV = "LIGHTNING_FSDP_WARM_START"
 WARM_RANK_ENV = "LIGHTNING_FSDP_WARM_RANK"
 #: environment of a process that some launcher already started as a rank (or as one job of a multirun)
 _LAUNCHED_ENV = ("LOCAL_RANK", "RANK", "LIGHTNING_FSDP_RANK_CONFIG", "LIGHTNING_FSDP_JOB_CONFIG", "NODE_RANK")
+
+#: modules a rank imports between receiving its config and joining the process group (the model's configuration
+#: and tokenizer are read when the LightningModule and DataModule are made); preloaded by warm processes
+PRELOAD = ("transformers.tokenization_utils_fast", "transformers.models.auto.configuration_auto",
+           "transformers.models.auto.tokenization_auto")
 
 _warm: list[subprocess.Popen] = []
 #: how many local ranks were handed to warm processes (for the job summary)
@@ -139,6 +145,7 @@ def handing_over(count: int) -> Iterator[None]:
         assert proc.stdin is not None
         proc.stdin.write(json.dumps(message).encode() + b"\n")
         proc.stdin.close()
+        proc.stdin = None  # as a launched process without a stdin pipe: `communicate`/`wait` leave it alone
         handed_over += 1
         return proc
 
@@ -152,7 +159,12 @@ def handing_over(count: int) -> Iterator[None]:
 def _serve() -> None:
     """A warm process: import what every rank imports, wait for a command, then become that rank."""
     import lightning_fsdp.train  # noqa: F401  # torch, Lightning, Hydra and the package
-    import transformers  # noqa: F401  # lazy; the models themselves load on use
+
+    for name in PRELOAD:  # what a rank needs before it joins the process group, when installed
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
     line = sys.stdin.buffer.readline()
     if not line.strip():

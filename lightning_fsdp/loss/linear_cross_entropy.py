@@ -81,10 +81,16 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_total: Tensor) -> tuple[Optional[Tensor], ...]:
+        # The kept gradients are scaled in place: a copy of the head's weight gradient (the vocabulary × width, fp32)
+        # would be the step's largest transient. So this backward runs once per forward.
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError("The chunked linear cross entropy cannot back-propagate twice (retain_graph=True);"
+                               " compute the loss again, or pass loss_chunk=None.")
+        ctx.consumed = True
         saved = iter(ctx.saved_tensors)
         grads: list[Optional[Tensor]] = []
         for kept, dtype in zip(ctx.kept, ctx.dtypes):
-            grads.append((next(saved) * grad_total).to(dtype) if kept else None)
+            grads.append(next(saved).mul_(grad_total).to(dtype) if kept else None)
         return (*grads, None, None)
 
 

@@ -126,3 +126,16 @@ def test_under_torch_compile_untrained_positions_stay_and_still_count_for_nothin
     whole.backward()
     torch.testing.assert_close(total, whole)
     torch.testing.assert_close(compiled_grad, hidden.grad)
+
+
+def test_back_propagating_the_fused_loss_twice_is_refused():
+    """Its backward scales the kept gradients in place (no copy of the head's weight gradient), so a second
+    backward of the same graph would be wrong: it is refused by name."""
+    torch.manual_seed(0)
+    head = nn.Linear(8, 32, bias=False)
+    hidden = torch.randn(2, 6, 8, requires_grad=True)
+    labels = torch.randint(0, 32, (2, 6))
+    total, _ = chunked_causal_lm_loss(hidden, head, labels, chunk_tokens=4)
+    total.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="back-propagate twice"):
+        total.backward()
