@@ -256,7 +256,7 @@ def prepare(work: Path) -> tuple[Path, Path]:
     return model_dir, data_dir / "train.jsonl"
 
 
-def _ours_command(row: Row, model_dir: Path, train: Path, steps: int, out: Path, world: int) -> list[str]:
+def _ours_command(peer: str, row: Row, model_dir: Path, train: Path, steps: int, out: Path, world: int) -> list[str]:
     lora = "model.lora=null" if not row.lora else "model.lora.r=8"
     return [
         sys.executable, "-m", "lightning_fsdp", "train",
@@ -271,7 +271,7 @@ def _ours_command(row: Row, model_dir: Path, train: Path, steps: int, out: Path,
     ]
 
 
-def _trl_command(row: Row, model_dir: Path, train: Path, steps: int, out: Path, world: int) -> list[str]:
+def _trl_command(peer: str, row: Row, model_dir: Path, train: Path, steps: int, out: Path, world: int) -> list[str]:
     spec = {"model_dir": str(model_dir), "train": str(train), "lora": row.lora, "seq_len": row.seq_len,
             "batch": row.batch, "lr": row.lr, "steps": steps, "output_dir": str(out), "sharded": peer == "trl"}
     config = _accelerate_config(out / "accelerate.yaml", world)
@@ -285,7 +285,7 @@ def run_one(peer: str, row: Row, model_dir: Path, train: Path, steps: int, warmu
     records = out / "records"
     records.mkdir()
     make = _ours_command if peer == "ours" else _trl_command  # "trl_ddp": accelerate's own CPU choice, DDP
-    command = make(row, model_dir, train, steps, out, world)
+    command = make(peer, row, model_dir, train, steps, out, world)
     env = {**os.environ, **(extra_env or {}), "PEER_RECORD_DIR": str(records), "PYTHONPATH": str(REPO),
            "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("OMP_NUM_THREADS", None)  # each peer's launcher picks its threads per rank (both pick 1 on 2 cores)

@@ -21,7 +21,7 @@ from typing import Any, Union
 
 from lightning_fsdp.data.sft.demo import write_directory_once
 
-__all__ = ["DOCUMENTED_MODULES", "docstring_pairs", "write_docstring_chat"]
+__all__ = ["DOCUMENTED_MODULES", "docstring_pairs", "write_docstring_chat", "write_docstring_preferences"]
 
 #: modules whose public functions are asked about: common, pure-Python-visible, documented one line at a time
 DOCUMENTED_MODULES = (
@@ -102,6 +102,33 @@ def write_docstring_chat(dir: Union[str, Path], held_out_every: int = 10) -> Pat
             splits[split].append(json.dumps(_row(name, answer)) + "\n")
         for split, lines in splits.items():
             random.Random(0).shuffle(lines)  # the first held-out questions (those answered and shown) span the modules
+            (tmp / f"{split}.jsonl").write_text("".join(lines))
+
+    return write_directory_once(Path(dir), "val.jsonl", fill)
+
+
+def write_docstring_preferences(dir: Union[str, Path], held_out_every: int = 10) -> Path:
+    """``dir/train.jsonl`` and ``dir/val.jsonl`` of preference pairs (TRL's explicit conversational format): the
+    question about a function, its own docstring's first paragraph as the chosen answer, and the docstring of another
+    function of the same module (or type) as the rejected one, so that telling them apart takes knowing what the
+    function does. The split by function is :func:`write_docstring_chat`'s."""
+
+    def fill(tmp: Path) -> None:
+        documented = docstring_pairs()
+        by_owner: dict[str, list[tuple[str, str]]] = {}
+        for name, answer in documented:
+            by_owner.setdefault(name.rsplit(".", 1)[0], []).append((name, answer))
+        splits: dict[str, list[str]] = {"train": [], "val": []}
+        for name, answer in documented:
+            siblings = [(n, a) for n, a in by_owner[name.rsplit(".", 1)[0]] if a != answer]
+            if not siblings:
+                continue
+            _, wrong = siblings[zlib.crc32(name.encode(), 2) % len(siblings)]
+            messages = _row(name, answer)["messages"]
+            row = {"prompt": messages[:1], "chosen": messages[1:], "rejected": [{"role": "assistant", "content": wrong}]}
+            splits["val" if _is_held_out(name, held_out_every) else "train"].append(json.dumps(row) + "\n")
+        for split, lines in splits.items():
+            random.Random(0).shuffle(lines)
             (tmp / f"{split}.jsonl").write_text("".join(lines))
 
     return write_directory_once(Path(dir), "val.jsonl", fill)

@@ -1,0 +1,134 @@
+"""Preference tuning (DPO, SimPO) of a Hugging Face causal LM, fully sharded: :class:`HFPreferenceLM`.
+
+The reference model of DPO costs nothing under LoRA (and QLoRA): it is the same sharded base with the adapters
+switched off (PEFT's ``disable_adapter``), run without gradients in the same step. No second copy exists, so the
+planner's parameter bytes do not change; each step pays one more forward. SimPO needs no reference at all and works
+for a full fine-tune too.
+
+Batches come from :class:`~lightning_fsdp.data.PreferenceDataModule`: ``2B`` rows, chosen first, ``labels`` on
+the completions, ``pair_mask`` 0 on padding pairs. The step's gradient is that of Σ pair losses / the global count
+of pairs (:class:`~lightning_fsdp.loss.TokenWeightedLoss` with pairs as the unit), so it is the same at any world
+size and ``accumulate_grad_batches``.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lightning_fsdp.loss.chunked import DEFAULT_CHUNK_TOKENS
+from lightning_fsdp.loss.preference import PREFERENCE_LOSSES, PairScores, preference_loss, sequence_log_probs
+from lightning_fsdp.models.hf_causal_lm import HFCausalLM
+from lightning_fsdp.models.metrics import ValidationMetrics
+
+__all__ = ["HFPreferenceLM"]
+
+#: what is logged per pair, train_* (this rank's micro-batch) and val_* (every held-out pair, all ranks)
+PAIR_METRICS = ("reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward", "chosen_logps", "rejected_logps")
+
+
+def _pair_values(scores: PairScores) -> dict[str, Tensor]:
+    return {"reward_accuracy": scores.accuracies, "reward_margin": scores.margins,
+            "chosen_reward": scores.chosen_rewards, "rejected_reward": scores.rejected_rewards,
+            "chosen_logps": scores.chosen_logps, "rejected_logps": scores.rejected_logps}
+
+
+class HFPreferenceLM(HFCausalLM):
+    """Align the causal LM in ``model_dir`` on preference pairs.
+
+    Args:
+        model_dir, lora, from_pretrained, lr, weight_decay, betas, tokenizer, loss_chunk: as
+            :class:`~lightning_fsdp.models.HFCausalLM`. ``model_dir`` is usually the SFT model to align.
+        loss: ``"dpo"`` (sigmoid, against the reference: needs ``lora``) or ``"simpo"`` (reference-free).
+        beta: β of the loss (DPO's KL strength; SimPO's reward scale).
+        simpo_gamma: SimPO's target reward margin γ.
+    """
+
+    def __init__(
+        self,
+        model_dir: Union[str, Path],
+        lora: Optional[dict[str, Any]] = None,
+        loss: str = "dpo",
+        beta: float = 0.1,
+        simpo_gamma: float = 0.5,
+        from_pretrained: bool = False,
+        lr: float = 5e-6,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        tokenizer: Optional[Union[str, Path]] = None,
+        loss_chunk: Optional[int] = DEFAULT_CHUNK_TOKENS,
+    ) -> None:
+        if loss not in PREFERENCE_LOSSES:
+            raise ValueError(f"loss={loss!r} is not one of {sorted(PREFERENCE_LOSSES)}.")
+        if PREFERENCE_LOSSES[loss] and not lora:
+            raise ValueError(
+                f"loss={loss!r} compares the policy with a reference model, which here is the base model with the"
+                " LoRA adapters switched off: pass lora={...} (model.lora), or use loss='simpo', which needs no"
+                " reference, for a full fine-tune."
+            )
+        if beta <= 0:
+            raise ValueError(f"beta={beta} must be positive.")
+        super().__init__(model_dir, lora=lora, from_pretrained=from_pretrained, lr=lr, weight_decay=weight_decay,
+                         betas=betas, tokenizer=tokenizer, loss_chunk=loss_chunk)
+        self._pair_metrics = ValidationMetrics.named(loss=MeanMetric(), **{k: MeanMetric() for k in PAIR_METRICS})
+
+    # -- log-probabilities -----------------------------------------------------------------------------------------
+    def sequence_log_probs(self, batch: dict[str, Tensor], *, reference: bool = False) -> tuple[Tensor, Tensor]:
+        """Each row's summed completion log-probability and completion length; ``reference=True``: of the base
+        model (adapters off, no gradients)."""
+        chunk = self.hparams.get("loss_chunk") or DEFAULT_CHUNK_TOKENS
+        context = self._reference_context() if reference else nullcontext()
+        with context:
+            hidden, head = self._hidden_states(batch["input_ids"], attention_mask=batch["attention_mask"])
+            return sequence_log_probs(hidden, head, batch["labels"], chunk_tokens=chunk)
+
+    def _reference_context(self) -> Any:
+        from contextlib import ExitStack
+
+        assert self.model is not None
+        stack = ExitStack()
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(self.model.disable_adapter())  # PEFT: the base model, the adapters bypassed
+        return stack
+
+    def pair_scores(self, batch: dict[str, Tensor]) -> PairScores:
+        h = self.hparams
+        reference = None
+        if PREFERENCE_LOSSES[h["loss"]]:
+            reference, _ = self.sequence_log_probs(batch, reference=True)
+        logps, counts = self.sequence_log_probs(batch)
+        return preference_loss(h["loss"], logps, counts, reference, beta=h["beta"], simpo_gamma=h["simpo_gamma"])
+
+    # -- steps -----------------------------------------------------------------------------------------------------
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        scores = self.pair_scores(batch)
+        mask = batch["pair_mask"].to(scores.losses)
+        pairs = mask.sum()
+        for name, values in _pair_values(scores).items():
+            self.log(f"train_{name}", (values * mask).sum() / pairs.clamp(min=1), batch_size=int(pairs))
+        # Σ pair losses; the step divides by the global count of pairs (on_before_optimizer_step)
+        return self.token_loss.add((scores.losses * mask).sum(), pairs)
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        scores = self.pair_scores(batch)
+        mask = batch["pair_mask"].to(scores.losses)
+        weight = mask.sum()
+        if weight == 0:
+            return
+        metrics = self._pair_metrics.on(scores.losses.device)
+        metrics["loss"].update((scores.losses * mask).sum() / weight, weight)
+        for name, values in _pair_values(scores).items():
+            metrics[name].update((values * mask).sum() / weight, weight)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        values = self._pair_metrics.compute_and_reset()  # pair-weighted means over every rank (a collective)
+        self.log_dict({f"val_{k}": v for k, v in values.items()}, prog_bar=False, sync_dist=True)
