@@ -38,6 +38,12 @@ case "$cmd" in
     ;;
   test)
     setup
+    # the peers the tests compare against (TRL): test-only, so never part of the main job's set-up
+    peers_stamp="$VENV/.installed-peers-$(cat pyproject.toml run.sh | cksum | cut -d' ' -f1)"
+    if [ ! -f "$peers_stamp" ]; then
+      "$VENV/bin/python" -m pip install --quiet -e ".[dev,peers]"
+      touch "$peers_stamp"
+    fi
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     if [ "$#" -eq 0 ]; then
       # The whole suite on two workers: a multi-process test spends much of its time starting processes and

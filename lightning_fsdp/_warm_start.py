@@ -3,11 +3,11 @@
 Lightning's launcher starts ranks ``1..N-1`` when ``fit`` begins, by re-running the command; each then imports
 torch, Lightning and transformers from scratch (~7 s on a CPU core) while rank 0 waits for them in the process group.
 torchrun, by contrast, starts every rank at once. Here the ``lightning-fsdp train`` process, as the package is first
-imported (before the heavy imports), starts ``devices - 1`` *warm* processes (``python -m lightning_fsdp._warm_start``)
-that do those imports at the same time and then wait on a pipe. When Lightning's launcher starts the local ranks,
-each command it would have run is handed to a warm process instead (:func:`handing_over`): the process takes the
-launcher's environment and working directory and runs the command in itself, as a new process would have. A
-command that is not ``python -m lightning_fsdp ...`` is ``exec``-ed, exactly as ``Popen`` would have run it.
+imported (before the heavy imports), starts ``devices - 1`` *warm* processes (``python -m lightning_fsdp.train``,
+serving through :func:`wait_for_command`) that do those imports at the same time and then wait on a pipe. When
+Lightning's launcher starts the local ranks, each command it would have run is handed to a warm process instead
+(:func:`handing_over`): the process takes the launcher's environment and working directory and runs the command in
+itself, as a new process would have. A command of another program is ``exec``-ed, exactly as ``Popen`` would.
 
 Only for ``lightning-fsdp train`` started directly (not by torchrun/srun, not ``-m``), on one node, with an integer
 ``trainer.devices > 1`` and one of this package's strategies: anything else, or ``LIGHTNING_FSDP_WARM_START=0``,
@@ -39,6 +39,11 @@ _LAUNCHED_ENV = ("LOCAL_RANK", "RANK", "LIGHTNING_FSDP_RANK_CONFIG", "LIGHTNING_
 #: and tokenizer are read when the LightningModule and DataModule are made); preloaded by warm processes
 PRELOAD = ("transformers.tokenization_utils_fast", "transformers.models.auto.configuration_auto",
            "transformers.models.auto.tokenization_auto")
+
+#: modules a Hugging Face job imports after joining the process group (its data sets, then its model classes):
+#: imported by the first rank while the handed-over ranks start up, and by warm processes while they wait, so that
+#: neither imports them on the way to the first step
+PRELOAD_HF = ("datasets", "transformers.modeling_utils")
 
 _warm: list[subprocess.Popen] = []
 #: how many local ranks were handed to warm processes (for the job summary)
@@ -104,7 +109,7 @@ def begin_if_requested(argv: Optional[Sequence[str]] = None, env: Optional[Mappi
     count = warm_rank_count(argv, env, orig_argv=getattr(sys, "orig_argv", ()))
     for index in range(count):
         child_env = {**env, WARM_RANK_ENV: str(index + 1)}
-        _warm.append(subprocess.Popen([sys.executable, "-m", "lightning_fsdp._warm_start"], stdin=subprocess.PIPE,
+        _warm.append(subprocess.Popen([sys.executable, "-m", "lightning_fsdp.train"], stdin=subprocess.PIPE,
                                       env=child_env))
     if count:
         atexit.register(release)
@@ -154,21 +159,27 @@ def handing_over(count: int) -> Iterator[None]:
         yield
     finally:
         subprocess.Popen = original  # type: ignore[misc]
+    if handed_over and "transformers" in sys.modules:  # a HF job: rank 0 waits for the others to join anyway
+        _preload(PRELOAD_HF)
 
 
-def _serve() -> None:
-    """A warm process: import what every rank imports, wait for a command, then become that rank."""
-    import lightning_fsdp.train  # noqa: F401  # torch, Lightning, Hydra and the package
-
-    for name in PRELOAD:  # what a rank needs before it joins the process group, when installed
+def _preload(names: Sequence[str]) -> None:
+    for name in names:
         try:
             importlib.import_module(name)
         except ImportError:
             pass
 
+
+def wait_for_command() -> Optional[list[str]]:
+    """In a warm process (``python -m lightning_fsdp.train`` with :data:`WARM_RANK_ENV` set, the package imported):
+    preload, wait for the launcher's command, take its environment and directory, and return the ``lightning-fsdp``
+    arguments to run here; a command of another program replaces this process (``exec``, as ``Popen`` would have
+    run it); ``None`` when the pipe closed without a command."""
+    _preload((*PRELOAD, *PRELOAD_HF))  # what a rank imports before and after joining, when installed
     line = sys.stdin.buffer.readline()
     if not line.strip():
-        return  # the first rank ended, or launched its ranks another way
+        return None  # the first rank ended, or launched its ranks another way
     message = json.loads(line)
     command, env, cwd = message["command"], message["env"], message["cwd"]
     os.chdir(cwd)
@@ -177,10 +188,8 @@ def _serve() -> None:
     args = _package_command_args(command)
     if args is None:
         os.execve(command[0], command, env)  # what Popen would have run
-    from lightning_fsdp.cli import main
-
     sys.argv = ["lightning-fsdp" if command[1] == "-m" else command[1], *args]
-    sys.exit(main(args))
+    return args
 
 
 def _package_command_args(command: Sequence[str]) -> Optional[list[str]]:
@@ -193,7 +202,3 @@ def _package_command_args(command: Sequence[str]) -> Optional[list[str]]:
     if os.path.basename(command[1]) == "lightning-fsdp":
         return list(command[2:])
     return None
-
-
-if __name__ == "__main__":
-    _serve()

@@ -292,4 +292,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    if _warm_start.WARM_RANK_ENV in os.environ:  # a warm rank of `lightning-fsdp train`: wait for its command
+        handed = _warm_start.wait_for_command()
+        if handed is None:
+            sys.exit(0)
+        from lightning_fsdp.cli import main as cli_main
+
+        sys.exit(cli_main(handed))
     sys.exit(main())

@@ -9,10 +9,11 @@ from lightning_fsdp.models.cnn import ConvBlock, ShapesCNN, average_batchnorm_st
 from lightning_fsdp.models.gpt import GPT, GPTLightningModule, TransformerBlock
 from lightning_fsdp.models.gpt_config import PRESETS, GPTConfig, config_with_params, count_params, get_preset
 from lightning_fsdp.models.hf_causal_lm import HFCausalLM
-from lightning_fsdp.models.preference import HFPreferenceLM
+from lightning_fsdp.models.preference import HeldOutPreferences, HFPreferenceLM
 
 __all__ = [
     "HFPreferenceLM",
+    "HeldOutPreferences",
     "GPT",
     "PRESETS",
     "ConvBlock",

@@ -303,3 +303,15 @@ def test_cli_dispatch_and_usage(capsys):
     assert cli_main([]) == 2
     assert cli_main(["fly"]) == 2
     assert "unknown command 'fly'" in capsys.readouterr().err
+
+
+def test_the_dpo_experiment_aligns_the_real_model_with_lora_and_its_disabled_adapters(tmp_path):
+    cfg = compose(tmp_path, "experiment=dpo")
+    validate_config(cfg)
+    assert cfg.task_name == "dpo" and cfg.model._target_ == "lightning_fsdp.models.HFPreferenceLM"
+    assert cfg.model.loss == "dpo" and cfg.model.lora.r == 8 and cfg.data._target_.endswith("PreferenceDataModule")
+    assert cfg.demo_data._target_.endswith("write_docstring_preferences") and cfg.data.path.startswith(cfg.demo_data.dir)
+    assert "held_out_preferences" in cfg.callbacks and list(cfg.export.formats) == ["hf", "peft"]
+    simpo = compose(tmp_path, "experiment=dpo", "model.loss=simpo", "model.lora=null")
+    validate_config(simpo)
+    assert not list(tmp_path.iterdir())

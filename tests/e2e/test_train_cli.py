@@ -129,14 +129,15 @@ EXPERIMENTS = {
     "finetune_pretrained": ["debug=steps", SMALL_CORPUS],
     "finetune_hf_lora": ["debug=steps", SMALL_CORPUS, "sample.max_new_tokens=4"],
     "finetune_hf_qlora": ["debug=steps", SMALL_CORPUS, "sample.max_new_tokens=4"],
+    "dpo": ["trainer.max_steps=2", "data.batch_size=1", "export.formats=[]"],
     "finetune_hf_chat": ["debug=steps", "callbacks.held_out_answers.count=2", "callbacks.held_out_answers.max_new_tokens=4",
                          "data.seq_len=128", "sample=null"],
 }
 
 
 #: experiments whose features other default tests run already (offload and HSDP parity, the pretrained start, the
-#: HF LoRA and QLoRA examples): CI runs them with `-m slow`
-COVERED_ELSEWHERE = {"gpt_medium_offload", "hsdp", "finetune_pretrained", "finetune_hf_lora", "finetune_hf_qlora"}
+#: HF LoRA and QLoRA examples, DPO on the real model): CI runs them with `-m slow`
+COVERED_ELSEWHERE = {"dpo", "gpt_medium_offload", "hsdp", "finetune_pretrained", "finetune_hf_lora", "finetune_hf_qlora"}
 
 
 @pytest.mark.parametrize(
@@ -174,6 +175,11 @@ def test_every_experiment_runs_with_a_debug_override(tmp_path, experiment):
         assert {"val_loss", "val_ppl", "val_token_accuracy", "held_out_exact_match"} <= set(result["metrics"])
         assert "Held-out set at step 0: loss" in proc.stdout and "Held-out set after 4 steps: loss" in proc.stdout
         assert "held_out_rougeL" in result["metrics"] and "held_out_loss_at_start" in result["metrics"]
+    elif experiment == "dpo":  # the real SmolLM2, LoRA, its base as the reference; tests/distributed has the rest
+        assert result["global_step"] == 2 and result["warm_started_ranks"] == 1
+        assert {"held_out_reward_accuracy_at_start", "held_out_reward_accuracy", "train_reward_margin"} <= set(result["metrics"])
+        assert result["metrics"]["held_out_reward_margin_at_start"] == 0.0  # new adapters: the policy is the reference
+        assert "Held-out pairs at step 0:" in proc.stdout and "Held-out pairs after 2 steps:" in proc.stdout
     elif experiment == "finetune_hf_qlora":
         assert len(result["wrapped_units"]) == 5 and {"hf", "peft"} <= set(result["exports"])
         assert (tmp_path / "outputs" / "pretrained" / "llama_byte_L4_d256_ff768" / "config.json").is_file()
