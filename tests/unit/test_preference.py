@@ -214,3 +214,24 @@ def test_the_step_is_the_mean_over_all_pairs_even_when_micro_batches_hold_differ
     for idx in ([0], [1, 2, 3]):
         (per_pair(weight, idx).mean() / 2).backward()
     assert not torch.allclose(weight.grad, reference)
+
+
+def test_simpo_fine_tunes_the_whole_model_with_no_reference(chat_model, tmp_path):
+    """SimPO through a real Trainer, full fine-tune (every weight trains; nothing is a reference): the held-out margin
+    between chosen and rejected rewards grows."""
+    import lightning as L
+
+    rows = ROWS * 6
+    data = PreferenceDataModule(write_jsonl(tmp_path / "p.jsonl", rows), chat_model,
+                                val_path=write_jsonl(tmp_path / "v.jsonl", ROWS), seq_len=64, batch_size=4,
+                                cache_dir=tmp_path / "cache")
+    torch.manual_seed(0)
+    model = HFPreferenceLM(chat_model, loss="simpo", beta=2.0, simpo_gamma=0.5, lr=1e-3, from_pretrained=True)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    before = trainer.validate(model, datamodule=data, verbose=False)[0]
+    trainer.fit(model, datamodule=data)
+    after = trainer.validate(model, datamodule=data, verbose=False)[0]
+    assert all(p.requires_grad for p in model.parameters())
+    assert after["val_reward_margin"] > before["val_reward_margin"] + 0.1, (before, after)
+    assert after["val_loss"] < before["val_loss"]
