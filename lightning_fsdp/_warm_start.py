@@ -138,7 +138,7 @@ def handing_over(count: int) -> Iterator[None]:
         release()
         yield
         return
-    original = subprocess.Popen
+    original: Any = subprocess.Popen
 
     def hand_over(command: Sequence[str], *args: Any, env: Optional[Mapping[str, str]] = None,
                   cwd: Optional[str] = None, **kwargs: Any) -> Any:
@@ -154,11 +154,11 @@ def handing_over(count: int) -> Iterator[None]:
         handed_over += 1
         return proc
 
-    subprocess.Popen = hand_over  # type: ignore[misc]  # Lightning's launcher calls `subprocess.Popen(...)`
+    setattr(subprocess, "Popen", hand_over)  # Lightning's launcher calls `subprocess.Popen(...)`
     try:
         yield
     finally:
-        subprocess.Popen = original  # type: ignore[misc]
+        setattr(subprocess, "Popen", original)
     if handed_over and "transformers" in sys.modules:  # a HF job: rank 0 waits for the others to join anyway
         _preload(PRELOAD_HF)
 

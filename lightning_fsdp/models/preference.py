@@ -92,10 +92,11 @@ class HFPreferenceLM(HFCausalLM):
     def _reference_context(self) -> Any:
         from contextlib import ExitStack
 
-        assert self.model is not None
+        peft_model: Any = self.model
+        assert peft_model is not None
         stack = ExitStack()
         stack.enter_context(torch.no_grad())
-        stack.enter_context(self.model.disable_adapter())  # PEFT: the base model, the adapters bypassed
+        stack.enter_context(peft_model.disable_adapter())  # PEFT: the base model, the adapters bypassed
         return stack
 
     def pair_scores(self, batch: dict[str, Tensor]) -> PairScores:

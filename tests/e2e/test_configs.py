@@ -138,6 +138,9 @@ def test_data_options_instantiate_and_load(tmp_path, option):
         cfg = compose(tmp_path, "experiment=finetune_hf_chat", "data.seq_len=128")
         ensure_demo_data(cfg)
         ensure_pretrained(cfg)
+    elif option == "preference":  # the DPO demo's docstring pairs, through the real model's tokenizer
+        cfg = compose(tmp_path, "experiment=dpo", "data.batch_size=2")
+        ensure_demo_data(cfg)
     elif "text" in option:
         cfg = compose(tmp_path, f"data={option}", "data.max_bytes=60000")
     else:
@@ -148,6 +151,9 @@ def test_data_options_instantiate_and_load(tmp_path, option):
     datamodule.prepare_data()
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
+    if option == "preference":  # 2 pairs per rank: the chosen rows, then the rejected ones
+        assert set(batch) == {"input_ids", "attention_mask", "labels", "pair_mask"} and batch["input_ids"].shape[0] == 4
+        return
     if option == "sft":
         assert set(batch) == {"input_ids", "labels", "position_ids"} and batch["input_ids"].shape[1] <= 128
         batch = (batch["input_ids"], batch["labels"])

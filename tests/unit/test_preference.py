@@ -228,7 +228,8 @@ def test_simpo_fine_tunes_the_whole_model_with_no_reference(chat_model, tmp_path
     torch.manual_seed(0)
     model = HFPreferenceLM(chat_model, loss="simpo", beta=2.0, simpo_gamma=0.5, lr=1e-3, from_pretrained=True)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        inference_mode=False)  # the model is built in the first validate: no inference tensors
     before = trainer.validate(model, datamodule=data, verbose=False)[0]
     trainer.fit(model, datamodule=data)
     after = trainer.validate(model, datamodule=data, verbose=False)[0]
