@@ -75,6 +75,9 @@ class HFPreferenceLM(HFCausalLM):
             )
         if beta <= 0:
             raise ValueError(f"beta={beta} must be positive.")
+        from lightning_fsdp.hf.gguf import resolve_model_source
+
+        model_dir = resolve_model_source(model_dir)  # here too: the hyperparameters are read from this frame as well
         super().__init__(model_dir, lora=lora, from_pretrained=from_pretrained, lr=lr, weight_decay=weight_decay,
                          betas=betas, tokenizer=tokenizer, loss_chunk=loss_chunk)
         self._pair_metrics = ValidationMetrics.named(loss=MeanMetric(), **{k: MeanMetric() for k in PAIR_METRICS})

@@ -129,7 +129,8 @@ EXPERIMENTS = {
     "finetune_pretrained": ["debug=steps", SMALL_CORPUS],
     "finetune_hf_lora": ["debug=steps", SMALL_CORPUS, "sample.max_new_tokens=4"],
     "finetune_hf_qlora": ["debug=steps", SMALL_CORPUS, "sample.max_new_tokens=4"],
-    "dpo": ["trainer.max_steps=2", "data.batch_size=1", "export.formats=[]"],
+    "dpo": ["trainer.max_steps=2", "data.batch_size=1", "export.formats=[]", "data.val_path=null",
+            "data.val_fraction=0.02"],  # 14 held-out pairs: the evaluation at the start and the end stays short
     "finetune_hf_chat": ["debug=steps", "callbacks.held_out_answers.count=2", "callbacks.held_out_answers.max_new_tokens=4",
                          "data.seq_len=128", "sample=null"],
 }
