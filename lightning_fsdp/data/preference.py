@@ -40,9 +40,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_fsdp.data._loaders import SplitDataModule
 from lightning_fsdp.data.order import GlobalOrderSampler, data_parallel_rank
-from lightning_fsdp.data.sft.module import _check_model, load_tokenizer
-from lightning_fsdp.data.sft.prepared import tokenizer_identity
-from lightning_fsdp.data.sft.source import column_names, content_digest, data_files, load_source
+from lightning_fsdp.data.sft.module import _check_model, _default_cache_dir, load_tokenizer
+from lightning_fsdp.data.sft.prepared import _splits, tokenizer_identity
+from lightning_fsdp.data.sft.source import column_names, content_digest, data_files
 from lightning_fsdp.formatting import format_count as count
 from lightning_fsdp.loss import IGNORE_INDEX
 
@@ -179,14 +179,8 @@ def prepare_pairs(recipe: PairRecipe, encoder: PairEncoder, cache_root: Path, nu
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        source = load_source(recipe.path, cache_root / "sources")
-        if recipe.val_path:
-            splits = {"train": source, "val": load_source(recipe.val_path, cache_root / "sources")}
-        elif recipe.val_fraction > 0:
-            parts = source.train_test_split(test_size=recipe.val_fraction, seed=recipe.seed, shuffle=True)
-            splits = {"train": parts["train"], "val": parts["test"]}
-        else:
-            splits = {"train": source, "val": source.select([])}
+        train_source, val_source = _splits(recipe, cache_root / "sources")  # the SFT sets' split, same fields
+        splits = {"train": train_source, "val": val_source}
         stats: dict[str, Any] = {}
         for split, data in splits.items():
             if not len(data):
@@ -301,8 +295,7 @@ class PreferenceDataModule(SplitDataModule):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.pad_id = int(pad or 0)
         self.batch_size, self.seed, self.num_workers, self.num_proc = batch_size, int(seed), num_workers, num_proc
-        self.cache_dir = (Path(cache_dir).expanduser() if cache_dir is not None else
-                          Path(os.environ.get("LIGHTNING_FSDP_CACHE", "~/.cache/lightning_fsdp")).expanduser() / "preference")
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir().parent / "preference"
         self.stats: Optional[dict[str, Any]] = None
         self._root: Optional[Path] = None
 

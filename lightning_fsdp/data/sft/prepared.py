@@ -167,7 +167,8 @@ def _empty_hint(recipe: Recipe) -> str:
             " nothing to train) and format=.")
 
 
-def _splits(recipe: Recipe, sources_cache: Path) -> tuple[Any, Any]:
+def _splits(recipe: Any, sources_cache: Path) -> tuple[Any, Any]:
+    """(train, val) sources of any recipe with ``path``, ``val_path``, ``val_fraction`` and ``seed`` (SFT and preference)."""
     source = load_source(recipe.path, sources_cache)
     if recipe.val_path:
         return source, load_source(recipe.val_path, sources_cache)
