@@ -306,3 +306,16 @@ def test_front_ends_delegate_the_shared_work_to_one_runtime():
     front_ends = [PACKAGE / "strategy.py", *(PACKAGE / "trainer").glob("*.py"), *(PACKAGE / "fabric").glob("*.py")]
     wrong = [f"{p.relative_to(PACKAGE)} calls {name}" for p in front_ends for name in shared if name in p.read_text()]
     assert not wrong, "move this into lightning_fsdp/runtime.py:\n" + "\n".join(wrong)
+
+
+def test_test_files_have_unique_names():
+    """pytest imports test files by basename (no packages under tests/): two files of one name in different folders
+    collect apart on separate workers but fail together in one process, as CI may run them."""
+    tests_root = Path(__file__).resolve().parents[1]
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted(tests_root.rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(tests_root)} and {path.relative_to(tests_root)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, f"rename one of each pair: {clashes}"

@@ -1,7 +1,7 @@
 """Preference tuning in one process: TRL's formats, the pairs' tokens, DPO and SimPO against TRL's ``DPOTrainer`` and
 closed forms, the LoRA reference against a separately loaded base, and the pair-count normalisation.
 
-The sharded runs (2 ranks, accumulation, mid-epoch resume) are in ``tests/distributed/test_preference.py``."""
+The sharded runs (2 ranks, accumulation, mid-epoch resume) are in ``tests/distributed/test_preference_sharded.py``."""
 
 from __future__ import annotations
 
