@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -155,6 +155,27 @@ class ShardedRuntime:
         if prepared.units:
             self.prepared = prepared
         rank_zero_info(f"{owner}: {len(self.prepared.units)} FSDP units on mesh {self.mesh_shape}")
+        return module
+
+    def prepare_frozen(
+        self,
+        module: nn.Module,
+        options: ModelOptions,
+        mp_policy: MixedPrecisionPolicy,
+        root_device: torch.device,
+        pretrained_weights: Union[str, Path],
+    ) -> nn.Module:
+        """Shard a frozen model that runs beside the trained one (DPO's reference, a distillation teacher) as the
+        model is sharded: the same mesh, units, precision and offload, its weights read straight into each rank's
+        shards, so each rank holds 1/N of it. Nothing is recorded: checkpoints neither store nor refer to it."""
+        assert self.device_mesh is not None, "join() the process group before preparing a model"
+        module.requires_grad_(False)
+        frozen = replace(options, activation_checkpointing_policy=None, compile=False, quantize_base=None,
+                         pretrained_weights=pretrained_weights, pretrained_key_map=None)
+        plan = frozen.plan(mp_policy, on_device=root_device.type == "cuda")
+        device = torch.device("cpu") if options.cpu_offload else root_device
+        with worded_for(self.wording):
+            prepare_model(module, self.device_mesh, Preparation(plan, device, pretrained_weights, True, None))
         return module
 
     @property

@@ -219,6 +219,13 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         return self.runtime.prepare(model, self.model_options(), self.precision_plugin.mp_policy, self.root_device,
                                     self.lightning_module.strict_loading, owner=type(self).__name__)
 
+    def prepare_frozen_model(self, module: torch.nn.Module, pretrained_weights: compat.PATH) -> torch.nn.Module:
+        """A frozen model beside the trained one (DPO's reference), sharded like it, 1/N per rank, loaded from
+        ``pretrained_weights`` into each rank's shards (every rank calls this, after setup)."""
+        module = self.precision_plugin.convert_module(module)
+        return self.runtime.prepare_frozen(module, self.model_options(), self.precision_plugin.mp_policy,
+                                           self.root_device, pretrained_weights)
+
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         compat.reset_optimizers(self)  # a second fit/validate must not keep stale parameter references

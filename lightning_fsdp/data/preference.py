@@ -213,24 +213,32 @@ def describe_pairs(split_stats: Mapping[str, int]) -> str:
 
 
 class PairRows(Dataset):
-    """Tokenized pairs; index ``-1`` is an empty pair (the padding of an uneven last evaluation round)."""
+    """Tokenized pairs; index ``-1`` is an empty pair (the padding of an uneven last evaluation round).
+    ``reference``: each pair's precomputed reference log-probabilities ``(pairs, 2)`` (chosen, rejected), once
+    attached (:mod:`lightning_fsdp.models.reference`)."""
 
     def __init__(self, tokenized: Any) -> None:
         self.tokenized = tokenized
+        self.reference: Optional[Tensor] = None
 
     def __len__(self) -> int:
         return len(self.tokenized) if self.tokenized is not None else 0
 
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
+    def __getitem__(self, index: int) -> dict[str, Any]:
         if index < 0:
-            return {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
+            empty: dict[str, Any] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
+            return empty if self.reference is None else {**empty, "reference_logps": [0.0, 0.0]}
         item = self.tokenized[int(index)]
-        return {k: list(item[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
+        out: dict[str, Any] = {k: list(item[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
+        if self.reference is not None:
+            out["reference_logps"] = self.reference[int(index)].tolist()
+        return out
 
 
-def collate_pairs(pairs: Sequence[Mapping[str, Sequence[int]]], pad_id: int) -> dict[str, Tensor]:
+def collate_pairs(pairs: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, Tensor]:
     """``B`` pairs → ``2B`` right-padded rows, the chosen completions first: ``input_ids``, ``attention_mask``,
-    ``labels`` (the completion tokens, ``-100`` elsewhere) and ``pair_mask`` (``(B,)``: 0 for padding pairs)."""
+    ``labels`` (the completion tokens, ``-100`` elsewhere) and ``pair_mask`` (``(B,)``: 0 for padding pairs); and
+    ``reference_logps`` (``(2B,)``, in row order) when the pairs carry precomputed ones."""
     sequences = [list(p["prompt_ids"]) + list(p["chosen_ids"]) for p in pairs]
     sequences += [list(p["prompt_ids"]) + list(p["rejected_ids"]) for p in pairs]
     prompts = [len(p["prompt_ids"]) for p in pairs] * 2
@@ -245,7 +253,11 @@ def collate_pairs(pairs: Sequence[Mapping[str, Sequence[int]]], pad_id: int) -> 
         labels[i, prompt : len(sequence)] = values[prompt:]
         attention_mask[i, : len(sequence)] = 1
     pair_mask = torch.tensor([1.0 if p["chosen_ids"] else 0.0 for p in pairs])
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "pair_mask": pair_mask}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "pair_mask": pair_mask}
+    if pairs and all("reference_logps" in p for p in pairs):
+        chosen_rejected = torch.tensor([list(p["reference_logps"]) for p in pairs], dtype=torch.float32)
+        batch["reference_logps"] = torch.cat([chosen_rejected[:, 0], chosen_rejected[:, 1]])
+    return batch
 
 
 class PreferenceDataModule(SplitDataModule):
@@ -298,6 +310,7 @@ class PreferenceDataModule(SplitDataModule):
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir().parent / "preference"
         self.stats: Optional[dict[str, Any]] = None
         self._root: Optional[Path] = None
+        self.prepared_dir: Optional[Path] = None
 
     def prepare_data(self) -> None:
         self._root = prepare_pairs(self.recipe, self.encoder, self.cache_dir, self.num_proc)
@@ -317,6 +330,13 @@ class PreferenceDataModule(SplitDataModule):
             return PairRows(datasets.load_from_disk(str(root / name)) if (root / name).exists() else None)
 
         self.train_set, self.val_set = split("train"), split("val")
+        self.prepared_dir = root
+
+    def reference_cache(self, model_key: str) -> Path:
+        """Where the reference log-probabilities of these prepared pairs under the model ``model_key`` are kept:
+        beside the tokenized pairs, so they are cached exactly as long as the pairs are."""
+        assert self.prepared_dir is not None, "call setup() first"
+        return self.prepared_dir / f"reference-{model_key}.safetensors"
 
     def collate_fn(self) -> Callable[[list[Any]], Any]:
         from functools import partial

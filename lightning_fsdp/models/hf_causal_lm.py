@@ -39,7 +39,7 @@ from lightning_fsdp.models.metrics import ValidationMetrics
 #: attention implementations that keep packed samples apart from restarting ``position_ids`` alone
 PACKING_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
-__all__ = ["HFCausalLM"]
+__all__ = ["HFCausalLM", "hidden_states_and_head"]
 
 
 class HFCausalLM(L.LightningModule):
@@ -147,17 +147,7 @@ class HFCausalLM(L.LightningModule):
         assert self.model is not None
         if "position_ids" in inputs and "attention_mask" not in inputs:
             self._check_packing_attention()
-        get_base = getattr(self.model, "get_base_model", None)
-        base: Any = get_base() if callable(get_base) else self.model  # PEFT: the model with its adapters injected
-        head, decoder = base.get_output_embeddings(), base.get_decoder()
-        config = getattr(base, "config", None)
-        scaled = [k for k in ("final_logit_softcapping", "logit_scale") if getattr(config, k, None) not in (None, 1.0)]
-        if head is None or decoder is None or decoder is base or scaled:
-            why = f"its logits are transformed after the projection ({scaled})" if scaled else "it has no output projection and decoder to call apart"
-            raise ValueError(f"{type(base).__name__} cannot use the chunked loss: {why}. Pass loss_chunk=None"
-                             " (model.loss_chunk=null) to compute the whole logits.")
-        hidden = decoder(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
-        return hidden, head
+        return hidden_states_and_head(self.model, input_ids, **inputs)
 
     def loss(self, batch: Union[dict[str, Tensor], tuple[Tensor, Tensor]]) -> Tensor:
         """The batch's mean loss per target token."""
@@ -235,6 +225,22 @@ class HFCausalLM(L.LightningModule):
         fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
         return torch.optim.AdamW(params, lr=h["lr"], weight_decay=h["weight_decay"], betas=tuple(h["betas"]),
                                  fused=fused or None)
+
+
+def hidden_states_and_head(model: torch.nn.Module, input_ids: Tensor, **inputs: Any) -> tuple[Tensor, torch.nn.Module]:
+    """``model``'s final hidden states for ``input_ids`` and its output projection, called apart so a chunked loss
+    never builds the whole logits (a PEFT model: its base, adapters injected)."""
+    get_base = getattr(model, "get_base_model", None)
+    base: Any = get_base() if callable(get_base) else model
+    head, decoder = base.get_output_embeddings(), base.get_decoder()
+    config = getattr(base, "config", None)
+    scaled = [k for k in ("final_logit_softcapping", "logit_scale") if getattr(config, k, None) not in (None, 1.0)]
+    if head is None or decoder is None or decoder is base or scaled:
+        why = f"its logits are transformed after the projection ({scaled})" if scaled else "it has no output projection and decoder to call apart"
+        raise ValueError(f"{type(base).__name__} cannot use the chunked loss: {why}. Pass loss_chunk=None"
+                         " (model.loss_chunk=null) to compute the whole logits.")
+    hidden = decoder(input_ids=input_ids, use_cache=False, **inputs).last_hidden_state
+    return hidden, head
 
 
 def _check_tokenizer_fits(tokenizer_dir: Path, model_dir: Path) -> None:

@@ -4,7 +4,9 @@
 ``train_loss``), the validation metrics, and the full trainable parameters at the end (``.params.pt``).
 Spec keys: model_dir, data_dir, devices, batch_size, accumulate, max_steps, loss, beta, lr, seed,
 checkpoint_every (save a checkpoint every N steps into root_dir/ckpt), ckpt_path (resume), validate (run validation at
-the end), per_micro_batch_mean (the wrong normalisation, for the test that must tell them apart).
+the end), per_micro_batch_mean (the wrong normalisation, for the test that must tell them apart), reference (DPO's
+reference mode), lora (False: a full fine-tune). A list of specs runs one after another in the same processes.
+With a frozen reference copy, rank 0 also records its local parameter shapes and bytes.
 """
 
 from __future__ import annotations
@@ -61,9 +63,9 @@ def main(spec: dict) -> None:
     devices = spec.get("devices", 1)
     cls = PerMicroBatchMean if spec.get("per_micro_batch_mean") else HFPreferenceLM
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
-    model = cls(spec["model_dir"], lora=lora if spec.get("loss", "dpo") == "dpo" or spec.get("lora") else None,
+    model = cls(spec["model_dir"], lora=lora if spec.get("lora", spec.get("loss", "dpo") == "dpo") else None,
                 loss=spec.get("loss", "dpo"), beta=spec.get("beta", 0.5), lr=spec.get("lr", 5e-3),
-                from_pretrained=devices == 1 and spec.get("strategy") == "auto")
+                from_pretrained=devices == 1 and spec.get("strategy") == "auto", reference=spec.get("reference"))
     data = PreferenceDataModule(Path(spec["data_dir"]) / "train.jsonl", spec["model_dir"],
                                 val_path=Path(spec["data_dir"]) / "val.jsonl", seq_len=96,
                                 batch_size=spec["batch_size"], cache_dir=Path(spec["root_dir"]) / "cache")
@@ -86,6 +88,15 @@ def main(spec: dict) -> None:
     if spec.get("validate"):
         trainer.limit_val_batches = 1.0
         result["val"] = {k: float(v) for k, v in trainer.validate(model, datamodule=data, verbose=False)[0].items()}
+    reference = model.__dict__.get("_reference_copy")
+    if reference is not None:
+        from torch.distributed.tensor import DTensor
+
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in reference.parameters()]
+        result["reference"] = {"local_bytes": sum(t.numel() * t.element_size() for t in local),
+                               "shapes": [list(p.shape) for p in reference.parameters()],
+                               "full_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
+                               "trainable": any(p.requires_grad for p in reference.parameters())}
     params = trainable_params(trainer)
     if trainer.is_global_zero:
         out = Path(spec["out"])

@@ -189,8 +189,12 @@ def test_simpo_is_the_length_normalised_margin_loss():
     torch.testing.assert_close(scores.losses, expected)
     with pytest.raises(ValueError, match="reference_logps"):
         preference_loss("dpo", logps, counts)
-    with pytest.raises(ValueError, match="compares the policy with a reference model"):
-        HFPreferenceLM("unused", loss="dpo", lora=None)
+    with pytest.raises(ValueError, match="the base model with the LoRA adapters switched off"):
+        HFPreferenceLM("unused", loss="dpo", lora=None, reference="adapters_off")
+    with pytest.raises(ValueError, match="needs no reference model"):
+        HFPreferenceLM("unused", loss="simpo", reference="copy")
+    with pytest.raises(ValueError, match="is not one of"):
+        HFPreferenceLM("unused", reference="frozen")
 
 
 def test_the_step_is_the_mean_over_all_pairs_even_when_micro_batches_hold_different_numbers():
@@ -236,3 +240,80 @@ def test_simpo_fine_tunes_the_whole_model_with_no_reference(chat_model, tmp_path
     assert all(p.requires_grad for p in model.parameters())
     assert after["val_reward_margin"] > before["val_reward_margin"] + 0.1, (before, after)
     assert after["val_loss"] < before["val_loss"]
+
+
+def _fit_dpo(chat_model: Path, tmp_path: Path, name: str, rows: list, steps: int = 3, ckpt_path=None, **model_args):
+    """A few DPO steps through a real Trainer in one process; the per-step losses, the model and the Trainer."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    class Losses(Callback):
+        def __init__(self) -> None:
+            self.values: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.values.append(float(trainer.callback_metrics["train_loss"]))
+
+    data = PreferenceDataModule(write_jsonl(tmp_path / f"{name}.jsonl", rows), chat_model,
+                                val_path=write_jsonl(tmp_path / "v.jsonl", ROWS), seq_len=64, batch_size=2,
+                                cache_dir=tmp_path / "cache")
+    torch.manual_seed(0)
+    model = HFPreferenceLM(str(chat_model), beta=0.5, lr=2e-2, from_pretrained=True, **model_args)
+    losses = Losses()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[losses],
+                        default_root_dir=tmp_path / name, enable_checkpointing=False)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    return losses.values, model, trainer, data
+
+
+def test_the_three_references_give_the_same_losses(chat_model, tmp_path):
+    """LoRA: adapters off, a frozen copy and precomputed log-probs train identically; a full fine-tune's frozen copy
+    and its precomputed reference too. The precomputed values are cached beside the prepared pairs, and reused."""
+    rows = ROWS * 2
+    lora = {**LORA, "init_lora_weights": False}  # adapters moved off zero: the policy differs from the reference
+    runs = {mode: _fit_dpo(chat_model, tmp_path, "lora", rows, lora=lora, reference=mode)
+            for mode in ("adapters_off", "copy", "precomputed")}
+    expected = torch.tensor(runs["adapters_off"][0])
+    for mode in ("copy", "precomputed"):
+        torch.testing.assert_close(torch.tensor(runs[mode][0]), expected, msg=mode)
+    data = runs["precomputed"][3]
+    cached = sorted(data.prepared_dir.glob("reference-*.safetensors"))
+    assert len(cached) == 1 and "_reference_copy" not in runs["precomputed"][1].__dict__
+    assert "_reference_copy" in runs["copy"][1].__dict__  # built, yet no parameter of the module
+    assert not any("reference" in name for name, _ in runs["copy"][1].named_parameters())
+
+    full = {mode: _fit_dpo(chat_model, tmp_path, "full", rows, reference=mode)[0] for mode in ("copy", "precomputed")}
+    torch.testing.assert_close(torch.tensor(full["precomputed"]), torch.tensor(full["copy"]))
+    assert full["copy"][0] == pytest.approx(0.6931, abs=1e-4)  # step 0: the policy is its reference
+    again = _fit_dpo(chat_model, tmp_path, "full", rows, reference="precomputed")[0]
+    assert again == full["precomputed"]
+
+
+def test_precomputed_references_refuse_other_pairs(chat_model, tmp_path):
+    """A cache made for other pairs, a damaged cache, and resuming a run whose data changed since its reference was
+    computed: each refused, naming what to do."""
+    from lightning_fsdp.models.reference import read_reference
+
+    _, model, trainer, data = _fit_dpo(chat_model, tmp_path, "a", ROWS * 2, steps=2, reference="precomputed",
+                                       lora=LORA)
+    path = next(data.prepared_dir.glob("reference-*.safetensors"))
+    counts = {"train": len(data.train_set), "val": len(data.val_set)}
+    with pytest.raises(ValueError, match="made for the prepared pairs .* the data changed since"):
+        read_reference(path, "pairs-other", counts)
+    with pytest.raises(ValueError, match="do not cover the pairs"):
+        read_reference(path, data.prepared_dir.name, {**counts, "train": counts["train"] + 1})
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_reference(damaged, data.prepared_dir.name, counts)
+
+    checkpoint = tmp_path / "a" / "step2.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    changed = [*ROWS, {**ROWS[0], "chosen": _assistant("a new answer")}, *ROWS[1:]]  # as many pairs, one changed
+    with pytest.raises(ValueError, match="data .* changed since the reference was computed"):
+        _fit_dpo(chat_model, tmp_path, "b", changed, steps=3, reference="precomputed", lora=LORA,
+                 ckpt_path=checkpoint)
+    resumed, *_ = _fit_dpo(chat_model, tmp_path, "a", ROWS * 2, steps=3, reference="precomputed", lora=LORA,
+                           ckpt_path=checkpoint)
+    assert len(resumed) == 1  # the same data: resumed at step 2 of 3
