@@ -113,6 +113,9 @@ def export_last_checkpoint(trainer: Any, export_cfg: DictConfig) -> dict[str, st
               "gguf": "model.gguf"}
     written = {}
     for fmt in export_cfg.formats:
+        if fmt == "peft" and not any(".lora_" in name for name, _ in trainer.lightning_module.named_parameters()):  # e.g. experiment=dpo with model.lora=null: the hf export is the model
+            print("not exported as peft: a full fine-tune has no adapters (the hf export holds every weight)", flush=True)
+            continue
         dst = Path(str(export_cfg.dir)) / suffix[fmt]
         replace = ["--force"] if fmt == "gguf" else []  # as the other formats replace an earlier run's export
         if consolidate([last, str(dst), "--format", fmt, "--no-progress", *replace]) != 0:

@@ -23,10 +23,12 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_fsdp.loss.token_mean import IGNORE_INDEX
 
-__all__ = ["PREFERENCE_LOSSES", "PairScores", "preference_loss", "sequence_log_probs"]
+__all__ = ["PREFERENCE_LOSSES", "REFERENCE_MODES", "PairScores", "preference_loss", "sequence_log_probs"]
 
 #: name → whether the loss compares against a reference model
 PREFERENCE_LOSSES = {"dpo": True, "simpo": False}
+#: how the reference model's log-probabilities are made (:mod:`lightning_fsdp.models.reference`)
+REFERENCE_MODES = ("adapters_off", "copy", "precomputed")
 
 Head = Union[nn.Module, Callable[[Tensor], Tensor]]
 

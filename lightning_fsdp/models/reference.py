@@ -25,12 +25,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_fsdp.loss.preference import sequence_log_probs
+from lightning_fsdp.loss.preference import REFERENCE_MODES, sequence_log_probs
 from lightning_fsdp.models.hf_causal_lm import hidden_states_and_head
 
 __all__ = ["REFERENCE_MODES", "ReferenceModel", "frozen_copy", "precompute_reference", "reference_model_key"]
 
-REFERENCE_MODES = ("adapters_off", "copy", "precomputed")
 #: the checkpoint entry recording which precomputed reference a run trains against
 CHECKPOINT_KEY = "preference_reference"
 

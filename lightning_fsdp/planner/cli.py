@@ -19,6 +19,14 @@ from lightning_fsdp.planner.sources import load_config, spec_from_checkpoint, sp
 from lightning_fsdp.precision import normalize_precision
 
 
+#: what each DPO reference costs, beside its bytes
+REFERENCE_NOTES = {
+    "copy": "a frozen copy of the base, sharded: 1/N of its parameters per rank; one more forward per step",
+    "adapters_off": "the base with the adapters switched off: no second copy; one more forward per step",
+    "precomputed": "log-probabilities scored once before training: no reference model, no extra forward",
+}
+
+
 def format_estimate(spec: ModelSpec, est: Estimate, v: Optional[Verdict] = None) -> str:
     o = est.options
     mesh = f"{o.replicate} × {o.shard}" if o.strategy == "fsdp" else f"{o.world_size} replicas"
@@ -38,13 +46,16 @@ def format_estimate(spec: ModelSpec, est: Estimate, v: Optional[Verdict] = None)
         f"| gradients | {format_bytes(est.grads)} | |",
         f"| optimizer state | {format_bytes(est.optimizer)} | {OPTIMIZER_STATES[o.optimizer]} state(s) per parameter |",
         f"| = sharded state | {format_bytes(est.state)} | ideal state / {est.shard} = {format_bytes(est.ideal_state)} |",
-        f"| gathered params (root + unit + prefetch) | {format_bytes(est.gathered)} | |",
+        f"| gathered params (root + unit + prefetch{' + the reference root' if o.reference == 'copy' else ''})"
+        f" | {format_bytes(est.gathered)} | |",
         f"| unsharded grads before reduce-scatter | {format_bytes(est.unsharded_grads)} | |",
     ]
     if est.dequantized:
         lines.append(f"| one quantized weight dequantized for its matmul | {format_bytes(est.dequantized)} | |")
     if est.comm_buffers:
         lines.append(f"| DDP gradient buckets | {format_bytes(est.comm_buffers)} | |")
+    if o.reference is not None:
+        lines.append(f"| DPO reference ({o.reference}) | {format_bytes(est.reference)} | {REFERENCE_NOTES[o.reference]} |")
     act_note = "" if spec.has_activation_model else "unknown for this architecture: not included"
     lines.append(f"| activations (batch {o.batch_size}) | {format_bytes(est.activations)} | {act_note} |")
     lines.append(f"| **device peak** | **{format_bytes(est.device)}** | |")
@@ -96,6 +107,8 @@ def _build_parser() -> argparse.ArgumentParser:
                           " its loss_chunk; otherwise the GPT example's whole logits)")
     run.add_argument("--max-seq", action="store_true",
                      help="with --device-memory: the longest sequence (per sample) that fits, by bisection")
+    run.add_argument("--reference", choices=sorted(REFERENCE_NOTES),
+                     help="DPO's reference model: a frozen sharded copy, the base with LoRA off, or precomputed")
     run.add_argument("--device-memory", help="per-rank memory to check against, e.g. 80GiB, 24GB, 512MiB")
     run.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="share of device memory kept free")
     run.add_argument("--json", action="store_true", help="print the estimate as JSON")
@@ -196,6 +209,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             optimizer=args.optimizer, cpu_offload=args.cpu_offload, strategy=args.strategy,
             batch_size=args.batch_size, seq_len=args.seq, activation_checkpointing=args.activation_checkpointing,
             attention=args.attention, quantize_base=args.quantize_base, loss_chunk=loss_chunk_of(args),
+            reference=args.reference,
         )
         if args.max_seq:
             if not args.device_memory:

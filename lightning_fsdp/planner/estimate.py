@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from lightning_fsdp.loss.preference import REFERENCE_MODES
 from lightning_fsdp.planner.geometry import GPTDims, ModelSpec, Param
 from lightning_fsdp.planner.loss import loss_bytes
 from lightning_fsdp.precision import PRECISIONS, normalize_precision
@@ -82,8 +83,13 @@ class PlanOptions:
     #: tokens per chunk of a chunked loss (``HFCausalLM``'s default, ``loss_chunk=`` of either example model);
     #: ``None``: the whole logits (the GPT example's default)
     loss_chunk: Optional[int] = None
+    #: DPO's reference model (``HFPreferenceLM(reference=...)``): ``"copy"`` holds a frozen sharded copy of the base
+    #: (1/N of it per rank); ``"adapters_off"`` (LoRA) and ``"precomputed"`` hold nothing more; ``None``: no DPO
+    reference: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.reference not in (None, *REFERENCE_MODES):
+            raise ValueError(f"reference={self.reference!r}: choose one of {REFERENCE_MODES} or None.")
         if self.quantize_base is not None and self.quantize_base not in QUANTIZE_METHODS:
             raise ValueError(f"quantize_base={self.quantize_base!r}: choose one of {sorted(QUANTIZE_METHODS)} or None.")
         if self.world_size < 1 or self.replicate < 1 or self.world_size % self.replicate:
@@ -125,10 +131,12 @@ class Estimate:
     model_numel: int = 0
     dequantized: int = 0
     on_device_when_offloaded: int = 0
+    #: a frozen reference copy's parameters on this rank (DPO, ``reference="copy"``)
+    reference: int = 0
 
     @property
     def state(self) -> int:
-        """Sharded training state on this rank: params + grads + optimizer state."""
+        """Sharded training state on this rank: params + grads + optimizer state (a reference copy is not state)."""
         return self.params + self.grads + self.optimizer
 
     @property
@@ -139,7 +147,7 @@ class Estimate:
     @property
     def device(self) -> int:
         """Peak bytes on the accelerator (or in process memory on CPU, where ``host`` is added)."""
-        resident = self.on_device_when_offloaded if self.options.cpu_offload else self.state
+        resident = self.on_device_when_offloaded if self.options.cpu_offload else self.state + self.reference
         transient = self.gathered + self.dequantized + self.unsharded_grads + self.comm_buffers + self.activations
         return resident + transient
 
@@ -223,10 +231,22 @@ def estimate(spec: ModelSpec, options: PlanOptions) -> Estimate:
     elif options.strategy == "ddp":
         comm = full_trainable * reduce_bytes  # DDP's gradient buckets are a second copy of the gradients
 
+    reference = 0
+    if options.reference == "adapters_off" and all(p.trainable for p in spec.params):
+        raise ValueError("reference='adapters_off' is the base with its LoRA adapters switched off: plan LoRA"
+                         " (--lora-rank), or reference 'copy' or 'precomputed' for a full fine-tune.")
+    if options.reference == "copy":
+        # the base (the frozen parameters under LoRA, every parameter of a full fine-tune), frozen and sharded
+        base = [p for p in spec.params if not p.trainable] or list(spec.params)
+        frozen = compute if mixed and options.strategy == "fsdp" else stored
+        reference = sum(sharded_numel(p.shape, options.shard) * frozen for p in base)
+        if options.strategy == "fsdp":  # its root is gathered while it scores, beside the model's
+            names = {p.name for p in base}
+            gathered += _gathered_bytes([p for p in spec.root.params if p.name in names], set(), compute)
     activations = activation_bytes(spec, options)
     # a one-rank shard group keeps its quantized weights out of FSDP, and so out of its CPU offload
     kept = sum(_quantized_bytes(p.numel) for p in spec.params if p.name in quantized) if options.shard == 1 else 0
-    host = params + grads + optimizer - kept if options.cpu_offload else 0
+    host = params + grads + optimizer + reference - kept if options.cpu_offload else 0
     return Estimate(
         params=params,
         grads=grads,
@@ -242,6 +262,7 @@ def estimate(spec: ModelSpec, options: PlanOptions) -> Estimate:
         model_numel=spec.numel,
         dequantized=dequantized,
         on_device_when_offloaded=kept if options.cpu_offload else 0,
+        reference=reference,
     )
 
 

@@ -98,3 +98,31 @@ def test_max_seq_is_the_longest_sequence_that_fits(capsys):
     assert main([*args[1:], "--loss-chunk", "none"]) == 0
     assert int(capsys.readouterr().out.split(" is ")[1].split()[0]) < longest  # the whole logits cost context
     assert main([*args[1:], "--loss-chunk", "0"]) == 2 and "positive number of tokens" in capsys.readouterr().err
+
+
+def test_a_dpo_reference_copy_adds_one_nth_of_the_base_and_the_planner_says_so(tmp_path, capsys):
+    """A full fine-tune's frozen reference copy: each rank's shard of every base parameter (the bytes
+    ``tests/distributed/test_preference_sharded.py`` measures on a real sharded copy), in the frozen dtype; LoRA's
+    adapters-off reference and precomputed log-probs add nothing."""
+    import json
+
+    from lightning_fsdp.planner.estimate import sharded_numel
+
+    spec = llama_model_spec(llama_dims(PRESETS["llama-3-8b"]))
+    plain = planner.estimate(spec, planner.PlanOptions(world_size=8, precision="bf16-mixed"))
+    copy = planner.estimate(spec, planner.PlanOptions(world_size=8, precision="bf16-mixed", reference="copy"))
+    assert copy.reference == sum(sharded_numel(p.shape, 8) * 2 for p in spec.params)  # bf16: frozen, compute dtype
+    assert spec.numel * 2 / 8 <= copy.reference < spec.numel * 2 / 8 * 1.001
+    assert copy.state == plain.state and copy.device > plain.device + copy.reference  # + its root while it scores
+    lora = llama_model_spec(with_lora(llama_dims(PRESETS["llama-3-8b"]), 16, ("q_proj", "v_proj")))
+    for mode in ("adapters_off", "precomputed"):
+        other = planner.estimate(lora, planner.PlanOptions(world_size=8, precision="bf16-mixed", reference=mode))
+        assert other.reference == 0 and other.device == planner.estimate(lora, planner.PlanOptions(
+            world_size=8, precision="bf16-mixed")).device
+    with pytest.raises(ValueError, match="LoRA"):
+        planner.estimate(spec, planner.PlanOptions(reference="adapters_off"))
+
+    assert planner.main(["--hf-config", "llama-3-8b", "-n", "8", "--precision", "bf16-mixed", "--reference", "copy"]) == 0
+    assert "| DPO reference (copy) | 1.87 GiB | a frozen copy of the base, sharded: 1/N" in capsys.readouterr().out
+    assert planner.main(["--hf-config", "llama-3-8b", "-n", "8", "--reference", "copy", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["reference"] == copy.reference * 2  # fp32 without mixed precision
