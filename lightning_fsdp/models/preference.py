@@ -144,13 +144,10 @@ class HFPreferenceLM(HFCausalLM):
         key = reference_model_key(self.hparams["model_dir"], trainer)
 
         def score(batch: dict[str, Tensor]) -> Tensor:
-            def work() -> Tensor:
-                with self._adapters_off() if self.hparams["lora"] else nullcontext():
-                    hidden, head = self._hidden_states(batch["input_ids"], attention_mask=batch["attention_mask"])
-                    chunk = self.hparams.get("loss_chunk") or DEFAULT_CHUNK_TOKENS
-                    return sequence_log_probs(hidden, head, batch["labels"], chunk_tokens=chunk)[0]
-
-            return in_root_forward(self, work)  # no gradients, the root's FSDP hooks around it
+            # LoRA: the base with the adapters off; a full fine-tune: the model itself, before its first step.
+            # No gradients, the root's FSDP hooks around it.
+            adapters = bool(self.hparams["lora"])
+            return in_root_forward(self, lambda: self.sequence_log_probs(batch, reference=adapters)[0])
 
         path = precompute_reference(trainer, datamodule, key, score)
         self._precomputed = {"pairs": datamodule.prepared_dir.name, "model": key, "file": path.name}
