@@ -46,9 +46,31 @@ def child_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}",
         "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",  # a rank that dies in C++ (an abort, a segfault) still prints its Python stack
     })
     env.update(extra or {})
     return env
+
+
+def first_errors(stderr: str, per_rank: int = 1500) -> str:
+    """Each rank's first traceback, so a failure names the rank that failed first rather than the peers it took down
+    (whose connection errors fill the end of the log)."""
+    blocks: dict[str, str] = {}
+    lines = stderr.splitlines()
+    for i, line in enumerate(lines):
+        if "Traceback (most recent call last)" not in line and "Fatal Python error" not in line:
+            continue
+        prefix = line.split("Traceback")[0] if "Traceback" in line else line.split("Fatal")[0]
+        if prefix in blocks or prefix + line in blocks:
+            continue
+        if "Fatal Python error" in line:  # faulthandler's report: the error, then each thread's stack
+            blocks[prefix + line] = "\n".join(lines[i:i + 30])[:per_rank]
+            continue
+        block = [l for l in lines[i:i + 80] if l.startswith(prefix)]
+        end = next((j for j, l in enumerate(block[1:], 1) if not l[len(prefix):].startswith(" ")), len(block) - 1)
+        text = "\n".join(l for l in block[:end + 1] if l[len(prefix):].strip(" ^"))
+        blocks[prefix] = text if len(text) <= per_rank else f"{text[:per_rank // 2]}\n...\n{text[-per_rank // 2:]}"
+    return "--- first traceback per rank ---\n" + "\n".join(blocks.values()) if blocks else ""
 
 
 def run_python(args: list[str], *, timeout: float = 240, env: Optional[dict[str, str]] = None, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
@@ -84,8 +106,10 @@ def train_many(
     spec_path = tmp_path / f"{'+'.join(specs)}.spec.json"
     spec_path.write_text(json.dumps(list(full.values()) if len(full) > 1 else next(iter(full.values()))))
     proc = run_python([str(SCRIPTS / "train.py"), str(spec_path)], timeout=timeout, env=env)
+    spec_path.with_suffix(".stderr.txt").write_text(proc.stderr)  # whole, beside the run, for a failure's post-mortem
     if check and proc.returncode != 0:
-        raise AssertionError(f"training runs {list(specs)} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(f"training runs {list(specs)} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{first_errors(proc.stderr)}\n--- stderr tail ---\n{proc.stderr[-6000:]}")
     results = {}
     for name, spec in full.items():
         if not check and not Path(spec["out"]).exists():  # the run failed before writing its result
