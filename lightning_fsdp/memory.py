@@ -7,6 +7,9 @@ a run.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -123,6 +126,33 @@ def _high_water_rss() -> int:
 
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # bytes on macOS, KiB on Linux
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Optional[Callable[[int], int]]:
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS, Windows)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_freed_host_memory() -> bool:
+    """Return the host heap's free pages to the OS (glibc ``malloc_trim(0)``); False where unsupported.
+
+    glibc keeps memory that tensors below its mmap threshold (which it raises as large blocks are freed) gave back,
+    so a CPU training process grows step after step with pages holding nothing: +1.1 GiB per rank over 4 steps of a
+    135M-parameter full fine-tune at 2 ranks. Called after each optimizer step, RSS at the start of a step equals
+    the live state, for about 0.1 s on a 3 GiB heap.
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def reset_peak_rss() -> bool:

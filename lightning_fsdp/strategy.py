@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_fsdp import _lightning_compat as compat
 from lightning_fsdp.checkpoint.checkpointer import check_state_dict_type
 from lightning_fsdp.fixes import FixWording
-from lightning_fsdp.memory import StateBytes, local_state_bytes
+from lightning_fsdp.memory import StateBytes, local_state_bytes, release_freed_host_memory
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.precision import MixedPrecisionArg
@@ -90,6 +90,9 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         skip_nonfinite_steps: if any rank sees a NaN/inf loss or gradient norm, every rank skips that optimizer
             step; after ``max_nonfinite_steps`` consecutive skips training stops with an error.
         max_nonfinite_steps: see ``skip_nonfinite_steps``.
+        release_host_memory: hand the host heap's free pages back to the OS after each optimizer step (glibc
+            ``malloc_trim``). ``None`` (default): on when parameters live in CPU memory (a CPU run, or
+            ``cpu_offload``), where the heap otherwise grows step after step with freed activations.
     """
 
     strategy_name = "fsdp_custom"
@@ -119,6 +122,7 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         quantize_base: Optional[str] = None,
         skip_nonfinite_steps: bool = False,
         max_nonfinite_steps: int = 10,
+        release_host_memory: Optional[bool] = None,
     ) -> None:
         self.mixed_precision = mixed_precision  # read by the precision_plugin setter during super().__init__
         self.runtime = ShardedRuntime(process_group.as_timedelta(timeout), skip_nonfinite_steps=skip_nonfinite_steps,
@@ -139,6 +143,7 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         self.auto_wrap_policy = auto_wrap_policy
         self.activation_checkpointing_policy = activation_checkpointing_policy
         self.cpu_offload = bool(cpu_offload)
+        self.release_host_memory = release_host_memory
         self.reshard_after_forward = reshard_after_forward
         self.compile = compile
         self.quantize_base = quantize_base
@@ -302,7 +307,17 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
             self.resilience, closure, compat.unwrap_optimizer(optimizer), trainer, self.root_device, has_scaler
         )
         with self.runtime.grad_norm.step():
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.releases_host_memory:
+            release_freed_host_memory()
+        return result
+
+    @property
+    def releases_host_memory(self) -> bool:
+        """Whether each optimizer step ends by returning the host heap's free pages (``release_host_memory``)."""
+        if self.release_host_memory is not None:
+            return bool(self.release_host_memory)
+        return self.cpu_offload or self.root_device.type == "cpu"
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
     @property

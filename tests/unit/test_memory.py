@@ -132,3 +132,34 @@ def test_memory_report_in_a_single_process_trainer(tmp_path, capsys):
     assert row.peak > 0
     metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
     assert "memory/rank0/params" in metrics and "memory/rank0/peak" in metrics
+
+
+_TRIM_PROBE = r"""
+import json
+from lightning_fsdp.memory import current_rss, release_freed_host_memory
+blocks = [bytearray(100 * 1024) for _ in range(2000)]  # 200 MB in heap-sized blocks (below glibc's mmap threshold)
+pin = bytearray(100 * 1024)  # above them: the heap cannot shrink from its top when they are freed
+del blocks
+before = current_rss()
+released = release_freed_host_memory()
+print(json.dumps({"released": released, "before": before, "after": current_rss()}))
+"""
+
+
+def test_freed_heap_pages_go_back_to_the_os():
+    """Freed small blocks stay resident until trimmed; in a fresh interpreter, so the heap is only this one."""
+    proc = subprocess.run([sys.executable, "-c", _TRIM_PROBE], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not seen["released"]:
+        pytest.skip("this C library has no malloc_trim")
+    assert seen["before"] - seen["after"] >= 150 * 1024 * 1024, seen
+
+
+def test_the_strategy_releases_host_memory_on_cpu_or_offload_unless_told():
+    from lightning_fsdp import FSDPCustomStrategy
+
+    assert FSDPCustomStrategy(cpu_offload=True).releases_host_memory
+    assert not FSDPCustomStrategy(cpu_offload=True, release_host_memory=False).releases_host_memory
+    assert FSDPCustomStrategy(parallel_devices=[torch.device("cpu")]).releases_host_memory
+    assert FSDPCustomStrategy(parallel_devices=[torch.device("cpu")], release_host_memory=True).releases_host_memory
