@@ -60,11 +60,12 @@ def first_errors(stderr: str, per_rank: int = 1500) -> str:
     for i, line in enumerate(lines):
         if "Traceback (most recent call last)" not in line and "Fatal Python error" not in line:
             continue
-        prefix = line.split("Traceback")[0] if "Traceback" in line else line.split("Fatal")[0]
-        if prefix in blocks or prefix + line in blocks:
+        fatal = "Fatal Python error" in line  # faulthandler's report: the error, then each thread's stack
+        prefix = line.split("Fatal" if fatal else "Traceback")[0]
+        if prefix in blocks:
             continue
-        if "Fatal Python error" in line:  # faulthandler's report: the error, then each thread's stack
-            blocks[prefix + line] = "\n".join(lines[i:i + 30])[:per_rank]
+        if fatal:
+            blocks[prefix] = "\n".join(lines[i:i + 30])[:per_rank]
             continue
         block = [l for l in lines[i:i + 80] if l.startswith(prefix)]
         end = next((j for j, l in enumerate(block[1:], 1) if not l[len(prefix):].startswith(" ")), len(block) - 1)
