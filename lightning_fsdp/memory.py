@@ -128,16 +128,16 @@ def _high_water_rss() -> int:
     return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # bytes on macOS, KiB on Linux
 
 
-@functools.lru_cache(maxsize=1)
-def _malloc_trim() -> Optional[Callable[[int], int]]:
-    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS, Windows)."""
+@functools.lru_cache(maxsize=None)
+def _glibc(name: str, argtypes: tuple[type, ...]) -> Optional[Callable[..., int]]:
+    """A glibc allocator function, or None where the C library has none (musl, macOS, Windows)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        function = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    function.argtypes, function.restype = list(argtypes), ctypes.c_int
+    return function  # type: ignore[no-any-return]
 
 
 def release_freed_host_memory() -> bool:
@@ -148,11 +148,31 @@ def release_freed_host_memory() -> bool:
     135M-parameter full fine-tune at 2 ranks. Called after each optimizer step, RSS at the start of a step equals
     the live state, for about 0.1 s on a 3 GiB heap.
     """
-    trim = _malloc_trim()
+    trim = _glibc("malloc_trim", (ctypes.c_size_t,))
     if trim is None:
         return False
     trim(0)
     return True
+
+
+LARGE_HOST_BLOCK_BYTES = 4 * 1024 * 1024
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def map_large_host_blocks(threshold: int = LARGE_HOST_BLOCK_BYTES) -> bool:
+    """Give every host block of ``threshold`` bytes or more its own mapping, returned to the OS as soon as it is freed
+    (glibc ``mallopt(M_MMAP_THRESHOLD)``); False where unsupported or where the environment already sets it.
+
+    glibc raises its mmap threshold up to 32 MiB as large blocks are freed, so after the first step a CPU rank's
+    activations (a few MiB each) come from the heap, and within a step the heap fragments: rank 0 of a 135M-parameter
+    full fine-tune at 2 ranks peaked at 3.4 GiB for about 2.7 GiB live. A fixed 4 MiB threshold brings that peak to
+    2.9 GiB at an unchanged step time (1 MiB: 2.8 GiB, with more page faults per step; 16 MiB: no gain).
+    ``MALLOC_MMAP_THRESHOLD_`` or a ``glibc.malloc.mmap_threshold`` tunable in the environment wins.
+    """
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int))
+    return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, int(threshold)) == 1
 
 
 def reset_peak_rss() -> bool:

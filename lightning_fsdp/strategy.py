@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_fsdp import _lightning_compat as compat
 from lightning_fsdp.checkpoint.checkpointer import check_state_dict_type
 from lightning_fsdp.fixes import FixWording
-from lightning_fsdp.memory import StateBytes, local_state_bytes, release_freed_host_memory
+from lightning_fsdp.memory import StateBytes, local_state_bytes, map_large_host_blocks, release_freed_host_memory
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.precision import MixedPrecisionArg
@@ -91,8 +91,9 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
             step; after ``max_nonfinite_steps`` consecutive skips training stops with an error.
         max_nonfinite_steps: see ``skip_nonfinite_steps``.
         release_host_memory: hand the host heap's free pages back to the OS after each optimizer step (glibc
-            ``malloc_trim``). ``None`` (default): on when parameters live in CPU memory (a CPU run, or
-            ``cpu_offload``), where the heap otherwise grows step after step with freed activations.
+            ``malloc_trim``), and give blocks of 4 MiB or more their own mappings, returned as soon as they are freed
+            (``mallopt``), so the heap neither grows step after step nor fragments within one. ``None`` (default): on
+            when parameters live in CPU memory (a CPU run, or ``cpu_offload``).
     """
 
     strategy_name = "fsdp_custom"
@@ -377,6 +378,8 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         if trainer is not None:
             refuse_unsharded_averaging(compat.trainer_callbacks(trainer))  # before any process group: all ranks fail alike
         super().setup_environment()
+        if self.releases_host_memory:
+            map_large_host_blocks()  # before the model is built: its blocks and every step's activations
 
     @override
     def remove_checkpoint(self, filepath: compat.PATH) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -136,6 +137,7 @@ def test_memory_report_in_a_single_process_trainer(tmp_path, capsys):
 
 _TRIM_PROBE = r"""
 import json
+import os
 from lightning_fsdp.memory import current_rss, release_freed_host_memory
 blocks = [bytearray(100 * 1024) for _ in range(2000)]  # 200 MB in heap-sized blocks (below glibc's mmap threshold)
 pin = bytearray(100 * 1024)  # above them: the heap cannot shrink from its top when they are freed
@@ -154,6 +156,48 @@ def test_freed_heap_pages_go_back_to_the_os():
     if not seen["released"]:
         pytest.skip("this C library has no malloc_trim")
     assert seen["before"] - seen["after"] >= 150 * 1024 * 1024, seen
+
+
+_MAP_PROBE = r"""
+import json, sys
+from lightning_fsdp.memory import current_rss, map_large_host_blocks
+mapped = map_large_host_blocks() if sys.argv[1] == "map" else None
+warm = bytearray(24 * 1024 * 1024)
+del warm  # glibc raises its dynamic mmap threshold to 24 MiB: 8 MiB blocks would now come from the heap
+blocks, pins = [], []
+for _ in range(30):
+    blocks.append(bytearray(8 * 1024 * 1024))
+    pins.append(bytearray(256 * 1024))  # between them on the heap: freed blocks cannot merge into its top
+before = current_rss()
+del blocks
+print(json.dumps({"mapped": mapped, "kept": current_rss() - (before - 240 * 1024 * 1024)}))
+"""
+
+
+@pytest.mark.parametrize("how", ["map", "heap"])
+def test_large_host_blocks_go_back_to_the_os_when_freed(how):
+    """With the fixed threshold, freed 8 MiB blocks leave RSS at once; without it (the control, which shows the probe
+    can fail) they stay resident between live small blocks. In fresh interpreters, so each heap is only its own."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    proc = subprocess.run([sys.executable, "-c", _MAP_PROBE, how], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    if how == "map":
+        if not seen["mapped"]:
+            pytest.skip("this C library has no mallopt")
+        assert seen["kept"] < 16 * 1024 * 1024, seen
+    else:
+        assert seen["kept"] >= 200 * 1024 * 1024, seen
+
+
+def test_an_mmap_threshold_in_the_environment_wins(monkeypatch):
+    from lightning_fsdp.memory import map_large_host_blocks
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert map_large_host_blocks() is False
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536")
+    assert map_large_host_blocks() is False
 
 
 def test_the_strategy_releases_host_memory_on_cpu_or_offload_unless_told():
