@@ -27,7 +27,13 @@ from typing_extensions import override
 from lightning_fsdp import _lightning_compat as compat
 from lightning_fsdp.checkpoint.checkpointer import check_state_dict_type
 from lightning_fsdp.fixes import FixWording
-from lightning_fsdp.memory import StateBytes, local_state_bytes, map_large_host_blocks, release_freed_host_memory
+from lightning_fsdp.memory import (
+    StateBytes,
+    local_state_bytes,
+    map_large_host_blocks,
+    release_freed_host_memory,
+    trains_most_weights,
+)
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.precision import MixedPrecisionArg
@@ -91,9 +97,10 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
             step; after ``max_nonfinite_steps`` consecutive skips training stops with an error.
         max_nonfinite_steps: see ``skip_nonfinite_steps``.
         release_host_memory: hand the host heap's free pages back to the OS after each optimizer step (glibc
-            ``malloc_trim``), and give blocks of 4 MiB or more their own mappings, returned as soon as they are freed
-            (``mallopt``), so the heap neither grows step after step nor fragments within one. ``None`` (default): on
-            when parameters live in CPU memory (a CPU run, or ``cpu_offload``).
+            ``malloc_trim``) and, when most weights are trained, give host blocks of 4 MiB or more their own
+            mappings, returned as soon as they are freed (``mallopt``), so the heap neither grows step after step
+            nor fragments within one. ``None`` (default): on when parameters live in CPU memory (a CPU run, or
+            ``cpu_offload``).
     """
 
     strategy_name = "fsdp_custom"
@@ -313,6 +320,13 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
             release_freed_host_memory()
         return result
 
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        module = self.lightning_module
+        if self.releases_host_memory and module is not None and trains_most_weights(module):
+            map_large_host_blocks()  # every step from here: FSDP's per-unit buffers, and the gradient shards
+
     @property
     def releases_host_memory(self) -> bool:
         """Whether each optimizer step ends by returning the host heap's free pages (``release_host_memory``)."""
@@ -378,8 +392,6 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         if trainer is not None:
             refuse_unsharded_averaging(compat.trainer_callbacks(trainer))  # before any process group: all ranks fail alike
         super().setup_environment()
-        if self.releases_host_memory:
-            map_large_host_blocks()  # before the model is built: its blocks and every step's activations
 
     @override
     def remove_checkpoint(self, filepath: compat.PATH) -> None:

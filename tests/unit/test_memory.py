@@ -207,3 +207,19 @@ def test_the_strategy_releases_host_memory_on_cpu_or_offload_unless_told():
     assert not FSDPCustomStrategy(cpu_offload=True, release_host_memory=False).releases_host_memory
     assert FSDPCustomStrategy(parallel_devices=[torch.device("cpu")]).releases_host_memory
     assert FSDPCustomStrategy(parallel_devices=[torch.device("cpu")], release_host_memory=True).releases_host_memory
+
+
+def test_only_a_run_that_trains_most_weights_counts_as_a_full_fine_tune():
+    from lightning_fsdp.memory import trains_most_weights
+
+    base = nn.Linear(64, 64)  # 4160 weights
+    adapter = nn.Linear(64, 4)  # 260: LoRA-like, on a frozen base
+    model = nn.ModuleDict({"base": base, "adapter": adapter})
+    assert trains_most_weights(model)
+    base.requires_grad_(False)
+    assert not trains_most_weights(model)
+    tied = nn.ModuleDict({"a": base, "b": base, "adapter": adapter})  # a shared module counts once
+    assert not trains_most_weights(tied)
+    base.requires_grad_(True)
+    adapter.requires_grad_(False)
+    assert trains_most_weights(tied)
