@@ -83,9 +83,12 @@ def start_local_ranks(launcher: Any) -> list[Any]:
     """Start the other local ranks, as Lightning's script launchers (the Trainer's and Fabric's) do at the top of
     their ``launch``."""
     from lightning_fsdp._warm_start import handing_over
+    from lightning_fsdp.parallel.process_group import serve_rendezvous_store
 
     with handing_over(launcher.num_processes - 1):  # warm processes of `lightning-fsdp train`, when it started some
         launcher._call_children_scripts()
+        if launcher.cluster_environment.node_rank() == 0:
+            serve_rendezvous_store()  # before this rank goes on: the others may look for it first
     return launcher.procs
 
 

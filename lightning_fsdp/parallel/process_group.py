@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import sys
 import time
 from datetime import timedelta
@@ -39,6 +40,34 @@ def as_timedelta(timeout: float | int | timedelta | None) -> timedelta:
     return timedelta(seconds=float(timeout))
 
 
+#: the rendezvous store rank 0 serves before it joins (see :func:`serve_rendezvous_store`)
+_early_store: Optional[Any] = None
+
+
+def serve_rendezvous_store(env: Optional[dict[str, str]] = None) -> bool:
+    """Global rank 0, having just started the other local ranks: serve the job's TCP store at ``MASTER_ADDR``/
+    ``MASTER_PORT`` now, not when this rank reaches ``init_process_group``; False where it could not.
+
+    A rank that looks for the store before it exists retries with a growing back-off, so when the others arrive
+    first (warm-started ranks, while rank 0 still imports) joining took 0.35-0.5 s after the last rank arrived, on
+    2 CPU ranks. ``init_process_group``'s own store on rank 0 is multi-tenant: it shares this server. A store that
+    cannot be served here (no such variables, the port taken) is left to ``init_process_group``, which reports it.
+    """
+    import torch.distributed as dist
+
+    global _early_store
+    env = dict(os.environ) if env is None else env
+    try:
+        address, port, world_size = env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"])
+        _early_store = dist.TCPStore(  # the arguments torch's env:// rendezvous gives rank 0's store
+            address, port, world_size, True, wait_for_workers=False, multi_tenant=True,
+            use_libuv=env.get("USE_LIBUV", "1") == "1",
+        )
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 _exit_hook_registered = False
 _GIL_HANDOVER_S = 0.05
 _keep_at_exit: Optional[Callable[[], bool]] = None
@@ -70,8 +99,10 @@ def release_process_group() -> None:
     """
     import torch.distributed as dist
 
+    global _early_store
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _early_store = None
     gc.collect()
     time.sleep(_GIL_HANDOVER_S)
 

@@ -5,6 +5,7 @@ import pytest
 
 from lightning_fsdp.parallel.mesh import MeshShape, data_parallel_rank, resolve_mesh_shape
 from lightning_fsdp.parallel.process_group import as_timedelta
+from tests.helpers.launch import free_port
 
 
 @pytest.mark.parametrize(
@@ -93,3 +94,30 @@ def test_agree_keeps_the_failing_ranks_own_exception_and_traceback():
     cause = info.value.__cause__
     assert isinstance(cause, ValueError) and cause.__traceback__ is not None  # where it failed, not just the text
     assert agree(lambda: 3, "Adding") == 3
+
+
+_EARLY_STORE_PROBE = """
+import os, sys, datetime, torch.distributed as dist
+from lightning_fsdp.parallel import process_group
+env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[1], "WORLD_SIZE": "1"}
+print("served:", process_group.serve_rendezvous_store(env))
+# a rank that looks for the store before this one joins finds it at once
+client = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=5))
+client.set("early", "yes")
+os.environ.update(env)
+dist.init_process_group("gloo", init_method="env://", rank=0, world_size=1)  # shares the server: no port clash
+dist.barrier()
+print("joined:", dist.is_initialized(), client.get("early").decode())
+process_group.release_process_group()
+print("released:", process_group._early_store is None, dist.is_initialized())
+print("unserved:", process_group.serve_rendezvous_store({"MASTER_ADDR": "127.0.0.1"}))
+"""
+
+
+def test_rank_zero_serves_the_rendezvous_store_before_it_joins():
+    """Ranks that arrive first connect at once instead of backing off; ``init_process_group`` shares the server."""
+    proc = subprocess.run([sys.executable, "-c", _EARLY_STORE_PROBE, str(free_port())], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:4] == ["served: True", "joined: True yes", "released: True False",
+                                          "unserved: False"]
