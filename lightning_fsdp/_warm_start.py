@@ -14,11 +14,15 @@ Only for ``lightning-fsdp train`` started directly (not by torchrun/srun, not ``
 launches as Lightning does. A warm process exits when its pipe closes without a command (the first rank ended, or
 decided otherwise); unused ones are stopped at exit. This module imports only the standard library (and Hydra, to
 read the devices), since it runs before anything else of the package.
+
+Every process that runs one training job (any rank, warm or not) also imports with the cyclic garbage collector
+off (:func:`pause_collection`), and freezes what it imported before the job begins (:func:`resume_collection`).
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import json
 import os
@@ -102,10 +106,65 @@ def _compose(overrides: list[str]) -> Any:
         return compose(config_name="train", overrides=overrides)
 
 
+def runs_one_training_job(argv: Sequence[str], orig_argv: Sequence[str] = ()) -> bool:
+    """Whether this process runs one ``lightning-fsdp train`` job (on any rank, warm or not): the command with
+    plain overrides (not ``-m``, ``--help``), or ``python -m lightning_fsdp.train`` (a warm process, one job of a
+    multirun)."""
+    overrides = train_overrides(argv, orig_argv)
+    if overrides is not None:
+        return not any(a.startswith("-") for a in overrides)
+    words = list(orig_argv)
+    at = words.index("-m") if "-m" in words else -1
+    return at >= 0 and words[at + 1:at + 2] == ["lightning_fsdp.train"]
+
+
+#: whether :func:`pause_collection` turned the cyclic garbage collector off (and :func:`resume_collection` has not)
+_collection_paused = False
+
+
+def pause_collection() -> None:
+    """Turn the cyclic garbage collector off while a training job imports its libraries (until
+    :func:`resume_collection`).
+
+    Importing torch, Lightning and transformers creates objects by the million, few of them garbage, and the
+    collector's full passes over them grow with them: on 2 CPU ranks of the SmolLM2-135M job they took 1.0-1.2 s
+    of each rank's 6.5-7 s to its first step, and freed a few hundred objects each.
+    """
+    global _collection_paused
+    if gc.isenabled():
+        gc.disable()
+        _collection_paused = True
+
+
+def collection_paused() -> bool:
+    """Whether :func:`pause_collection` holds the garbage collector off."""
+    return _collection_paused
+
+
+def resume_collection() -> bool:
+    """Once the imports are done: freeze every object there is (the collector never scans them again: modules,
+    classes, functions) and turn the collector back on, so it scans only what the job creates from here (the model,
+    its data, each step). False when nothing was paused (the collector is left as it was found).
+
+    Nothing is collected first: a full pass here takes 0.3-0.45 s. What the imports and the config left as cyclic
+    garbage stays, once: about 40 thousand small objects (10 MB, no tensors) on the first rank of that job.
+    """
+    global _collection_paused
+    if not _collection_paused:
+        return False
+    _collection_paused = False
+    gc.freeze()
+    gc.enable()
+    return True
+
+
 def begin_if_requested(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] = None) -> int:
-    """Start the warm processes this command wants; returns how many were started."""
+    """Start the warm processes this command wants (returns how many were started), and pause the garbage
+    collector for the start-up of a training job."""
     argv = list(sys.argv if argv is None else argv)
     env = os.environ if env is None else env
+    if runs_one_training_job(argv, getattr(sys, "orig_argv", ())):
+        pause_collection()
     count = warm_rank_count(argv, env, orig_argv=getattr(sys, "orig_argv", ()))
     for index in range(count):
         child_env = {**env, WARM_RANK_ENV: str(index + 1)}

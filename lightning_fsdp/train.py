@@ -20,6 +20,7 @@ fails in :func:`validate_config`, before any process or process group exists.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -65,6 +66,7 @@ def run(cfg: DictConfig, *, is_launcher: bool = True) -> dict[str, Any]:
 
     import lightning_fsdp  # noqa: F401  (registers the strategy names)
 
+    _warm_start.resume_collection()  # imported: the collector, off since this process began, runs again
     validate_config(cfg)
     if is_launcher:
         ensure_demo_data(cfg)
@@ -147,6 +149,8 @@ def summarize(trainer: Any, sample: Optional[str]) -> dict[str, Any]:
         "global_step": int(trainer.global_step),
         "world_size": int(trainer.world_size),
         "warm_started_ranks": _warm_start.handed_over,  # local ranks that imported alongside the first
+        # objects the garbage collector skips: what this process imported, with the collector off, before the job
+        "frozen_objects": gc.get_freeze_count(),
         "strategy": getattr(strategy, "strategy_name", type(strategy).__name__),
         "metrics": metrics,
         "last_checkpoint": getattr(ckpt, "last_model_path", "") or None,

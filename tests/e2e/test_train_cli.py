@@ -69,6 +69,7 @@ def test_gpt_pretrain_briefly_logs_checkpoints_and_learns(tmp_path):
     result = summary(run_dir)
     assert result["state"] == "finished" and result["global_step"] == 16 and result["world_size"] == 2
     assert result["warm_started_ranks"] == 1  # rank 1 imported alongside rank 0, then ran the handed-over job
+    assert result["frozen_objects"] > 100_000  # imported with the garbage collector off, then frozen
     assert result["wrapped_units"] == [f"net.blocks.{i}" for i in range(6)] + [""]
     assert [row["rank"] for row in result["memory"]["ranks"]] == [0, 1]
     assert "Memory per rank" in proc.stdout and "Sample from the trained model" in proc.stdout
@@ -213,6 +214,7 @@ def test_multirun_runs_each_job_in_its_own_folder(tmp_path):
         result = summary(sweeps[0] / job)
         assert result["state"] == "finished" and result["world_size"] == 2
         assert result["warm_started_ranks"] == 0  # a multirun job's ranks are started by Lightning's launcher
+        assert result["frozen_objects"] > 100_000  # the job's own process imports with the collector off too
     assert not (tmp_path / "outputs" / "gpt_pretrain" / "runs").exists()
 
 

@@ -5,13 +5,20 @@ summary counts the ranks that were handed over."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 
 import pytest
 
 from lightning_fsdp import _warm_start
-from lightning_fsdp._warm_start import _package_command_args, handing_over, train_overrides, warm_rank_count
+from lightning_fsdp._warm_start import (
+    _package_command_args,
+    handing_over,
+    runs_one_training_job,
+    train_overrides,
+    warm_rank_count,
+)
 
 SCRIPT = "/venv/bin/lightning-fsdp"
 
@@ -81,3 +88,31 @@ def test_without_the_right_number_of_live_warm_processes_the_launcher_starts_its
         proc = subprocess.Popen([sys.executable, "-c", "print('own')"], stdout=subprocess.PIPE)
     assert proc is not warm and proc.communicate(timeout=30)[0].strip() == b"own"
     assert warm.poll() is not None and _warm_start._warm == [] and _warm_start.handed_over == 0
+
+
+def test_the_processes_that_run_one_training_job():
+    assert runs_one_training_job([SCRIPT, "train", "a=1"])
+    assert runs_one_training_job(["-m"], [sys.executable, "-m", "lightning_fsdp", "train"])
+    assert runs_one_training_job(["-m"], [sys.executable, "-m", "lightning_fsdp.train"])  # warm, or a multirun job
+    assert not runs_one_training_job([SCRIPT, "train", "-m", "seed=1,2"])  # the sweep's own process
+    assert not runs_one_training_job([SCRIPT, "train", "--help"])
+    assert not runs_one_training_job([SCRIPT, "consolidate", "x"])
+    assert not runs_one_training_job(["pytest"], [sys.executable, "-m", "pytest"])
+
+
+def test_the_collector_is_off_while_a_job_imports_and_then_skips_what_was_imported(monkeypatch):
+    monkeypatch.setattr(_warm_start, "_collection_paused", False)
+    assert gc.isenabled()
+    try:
+        _warm_start.pause_collection()
+        assert not gc.isenabled() and _warm_start.collection_paused()
+        assert _warm_start.resume_collection()
+        assert gc.isenabled() and not _warm_start.collection_paused() and gc.get_freeze_count() > 10_000
+        assert not _warm_start.resume_collection()  # once
+        gc.unfreeze()
+        gc.disable()  # turned off by someone else: neither taken over nor turned back on
+        _warm_start.pause_collection()
+        assert not _warm_start.collection_paused() and not _warm_start.resume_collection() and not gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.enable()
