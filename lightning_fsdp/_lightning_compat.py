@@ -8,7 +8,7 @@ loop progress). Each front end imports the names of its own half; the layout tes
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 from lightning.fabric.strategies.launchers.subprocess_script import (
@@ -79,16 +79,15 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def start_local_ranks(launcher: Any) -> list[Any]:
+def start_local_ranks(launcher: Any, started: Optional[Callable[[], Any]] = None) -> list[Any]:
     """Start the other local ranks, as Lightning's script launchers (the Trainer's and Fabric's) do at the top of
-    their ``launch``."""
+    their ``launch``; ``started()`` runs as soon as they are started."""
     from lightning_fsdp._warm_start import handing_over
-    from lightning_fsdp.parallel.process_group import serve_rendezvous_store
 
     with handing_over(launcher.num_processes - 1):  # warm processes of `lightning-fsdp train`, when it started some
         launcher._call_children_scripts()
-        if launcher.cluster_environment.node_rank() == 0:
-            serve_rendezvous_store()  # before this rank goes on: the others may look for it first
+        if started is not None:
+            started()  # before this rank goes on (a warm rank 0 imports more): the others may need it first
     return launcher.procs
 
 

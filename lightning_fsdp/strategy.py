@@ -25,15 +25,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp import _lightning_compat as compat
+from lightning_fsdp import memory as host_memory
 from lightning_fsdp.checkpoint.checkpointer import check_state_dict_type
 from lightning_fsdp.fixes import FixWording
-from lightning_fsdp.memory import (
-    StateBytes,
-    local_state_bytes,
-    map_large_host_blocks,
-    release_freed_host_memory,
-    trains_most_weights,
-)
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.precision import MixedPrecisionArg
@@ -97,10 +91,9 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
             step; after ``max_nonfinite_steps`` consecutive skips training stops with an error.
         max_nonfinite_steps: see ``skip_nonfinite_steps``.
         release_host_memory: hand the host heap's free pages back to the OS after each optimizer step (glibc
-            ``malloc_trim``) and, when most weights are trained, give host blocks of 4 MiB or more their own
-            mappings, returned as soon as they are freed (``mallopt``), so the heap neither grows step after step
-            nor fragments within one. ``None`` (default): on when parameters live in CPU memory (a CPU run, or
-            ``cpu_offload``).
+            ``malloc_trim``) and, when most weights are trained, map host blocks of 4 MiB or more on their own
+            (``mallopt``), so the heap neither grows step after step nor fragments within one. ``None`` (default):
+            on when parameters live in CPU memory (a CPU run, or ``cpu_offload``).
     """
 
     strategy_name = "fsdp_custom"
@@ -248,10 +241,10 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
     def model_to_device(self) -> None:
         """``fully_shard`` already placed every shard; moving the module would undo CPU offload."""
 
-    def state_bytes(self) -> StateBytes:
+    def state_bytes(self) -> host_memory.StateBytes:
         """This rank's local bytes of parameters, gradients and optimizer state."""
         assert self.model is not None
-        return local_state_bytes(self.model, [compat.unwrap_optimizer(o) for o in self.optimizers])
+        return host_memory.local_state_bytes(self.model, [compat.unwrap_optimizer(o) for o in self.optimizers])
 
     # -- steps ---------------------------------------------------------------------------------------------------------
     @collective("{method} (FSDP parameter all-gathers in forward, or a collective in the step)", gate=False)
@@ -317,22 +310,20 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         with self.runtime.grad_norm.step():
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.releases_host_memory:
-            release_freed_host_memory()
+            host_memory.release_freed_host_memory()
         return result
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        module = self.lightning_module
-        if self.releases_host_memory and module is not None and trains_most_weights(module):
-            map_large_host_blocks()  # every step from here: FSDP's per-unit buffers, and the gradient shards
+        if self.releases_host_memory and self.model is not None and host_memory.trains_most_weights(self.model):
+            host_memory.map_large_host_blocks()  # every step from here: FSDP's per-unit buffers, gradient shards
 
     @property
     def releases_host_memory(self) -> bool:
         """Whether each optimizer step ends by returning the host heap's free pages (``release_host_memory``)."""
-        if self.release_host_memory is not None:
-            return bool(self.release_host_memory)
-        return self.cpu_offload or self.root_device.type == "cpu"
+        explicit = self.release_host_memory
+        return bool(explicit) if explicit is not None else self.cpu_offload or self.root_device.type == "cpu"
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
     @property
@@ -388,9 +379,8 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
 
     @override
     def setup_environment(self) -> None:
-        trainer = compat.attached_trainer(self.lightning_module)
-        if trainer is not None:
-            refuse_unsharded_averaging(compat.trainer_callbacks(trainer))  # before any process group: all ranks fail alike
+        if (trainer := compat.attached_trainer(self.lightning_module)) is not None:  # before any process group:
+            refuse_unsharded_averaging(compat.trainer_callbacks(trainer))  # all ranks fail alike
         super().setup_environment()
 
     @override

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from lightning_fsdp._lightning_compat import set_num_threads_if_needed, start_local_ranks
+from lightning_fsdp.parallel.process_group import serve_rendezvous_store
 from lightning_fsdp.resilience.parent import launching
 from lightning_fsdp.resilience.relay import FailureRelay
 
@@ -35,7 +36,7 @@ class RelayedLaunch:
         rank = env.node_rank() * self.num_processes + env.local_rank()
         if not env.creates_processes_externally:
             with launching(rank):
-                children = start_local_ranks(self)
+                children = start_local_ranks(self, started=serve_rendezvous_store if rank == 0 else None)
             self._relay.watch_children(children, rank)
         else:
             self._relay.watch_parent(rank)
