@@ -32,7 +32,7 @@ IGNORE_INDEX = -100
 
 
 def causal_lm_token_loss(logits: Tensor, labels: Tensor, *, shift: bool = True) -> tuple[Tensor, Tensor]:
-    """``(Σ token cross entropies, number of target tokens)`` of a batch, in fp32.
+    """``(Σ token cross entropies, number of target tokens)`` of a batch, in fp32 (fp64 logits stay fp64).
 
     ``shift=True``: ``labels`` are aligned with the inputs (transformers' convention), so position ``t`` predicts
     ``labels[t + 1]``. ``shift=False``: ``labels`` are already the next-token targets. ``-100`` is never a target.
@@ -40,9 +40,9 @@ def causal_lm_token_loss(logits: Tensor, labels: Tensor, *, shift: bool = True) 
     if shift:
         logits, labels = logits[..., :-1, :], labels[..., 1:]
     labels = labels.reshape(-1)
-    total = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    flat = logits.reshape(-1, logits.shape[-1])
+    flat = flat if flat.dtype == torch.float64 else flat.float()
+    total = F.cross_entropy(flat, labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return total, (labels != IGNORE_INDEX).sum()
 
 

@@ -139,3 +139,14 @@ def test_back_propagating_the_fused_loss_twice_is_refused():
     total.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="back-propagate twice"):
         total.backward()
+
+
+def test_the_token_loss_lifts_half_precision_to_fp32_and_keeps_fp64():
+    """A float64 reference loop must not be rounded to fp32 inside the loss it checks against."""
+    labels = torch.tensor([[0, 1, IGNORE_INDEX, 2]])
+    logits = torch.randn(1, 4, 3, dtype=torch.float64)
+    for dtype, expected in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.float64, torch.float64)):
+        total, count = causal_lm_token_loss(logits.to(dtype), labels)
+        assert total.dtype == expected and int(count) == 2
+    exact = torch.nn.functional.cross_entropy(logits[0, :-1], torch.tensor([1, IGNORE_INDEX, 2]), reduction="sum")
+    assert causal_lm_token_loss(logits, labels)[0].item() == exact.item()
