@@ -1,5 +1,5 @@
 """Every private Lightning internal the package relies on, in one module, checked against the Lightning it was
-written for (torch's internals live in ``_torch_compat.py``).
+written for (torch's internals live in ``_torch_compat.py``), and the few of torchmetrics, Lightning's metrics.
 
 Lightning's two halves meet here only as names: ``lightning.fabric`` internals (process-group start-up, Fabric's
 launcher and backward-sync control) and ``lightning.pytorch`` internals (the Trainer's launcher, step redirection,
@@ -52,8 +52,10 @@ __all__ = [
     "batches_processed",
     "give_module_device_mesh",
     "init_dist_connection",
+    "metric_states",
     "optimizers_to_device",
     "reset_optimizers",
+    "set_metric_defaults",
     "set_num_threads_if_needed",
     "start_local_ranks",
     "sync_ddp_if_available",
@@ -144,3 +146,21 @@ def uncompile(module: pl.LightningModule) -> bool:
         return False
     to_uncompiled(module)
     return True
+
+
+# -- torchmetrics -----------------------------------------------------------------------------------------------------
+def metric_states(metric: nn.Module) -> dict[str, tuple[Any, Any, bool]]:
+    """A ``torchmetrics.Metric``'s table of states: name → (reset default, ``dist_reduce_fx``, persistent)."""
+    m = cast(Any, metric)
+    return {name: (default, m._reductions[name], bool(m._persistent[name])) for name, default in m._defaults.items()}
+
+
+def set_metric_defaults(metric: nn.Module, defaults: dict[str, Any], device: torch.device) -> None:
+    """Make ``defaults`` (tensors, or ``[]`` for list states) a metric's reset defaults and its current states, on
+    ``device``, and record ``device`` as the one the metric computes on."""
+    m = cast(Any, metric)
+    for name, default in defaults.items():
+        value: Any = default.detach().to(device) if isinstance(default, torch.Tensor) else []
+        m._defaults[name] = value
+        setattr(m, name, value.clone() if isinstance(value, torch.Tensor) else [])
+    m._device = torch.device(device)

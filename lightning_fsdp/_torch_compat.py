@@ -1,4 +1,4 @@
-"""Every private torch internal the package relies on (and transformers' and torchmetrics' few), in one module, checked against the
+"""Every private torch internal the package relies on (and transformers' few), in one module, checked against the
 versions it was written for. Lightning's internals live beside it, in ``_lightning_compat.py``.
 
 Outside these two modules the package uses public names only (a test greps for it). Each internal is one of:
@@ -13,6 +13,7 @@ Outside these two modules the package uses public names only (a test greps for i
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -31,9 +32,9 @@ TESTED_TORCH = "2.13"
 __all__ = [
     "compile_errors", "compiled_graph_count", "composable_checkpoint", "dcp_metadata_path", "dcp_set_element",
     "dcp_unpickle_allowlist", "default_store", "fast_paths", "FastPathLost", "foreach_copy_", "foreach_lerp_",
-    "foreach_mul_", "has_forward_hooks", "hf_init_weights", "hf_storage_info", "intercept_dispatch",
-    "keep_root_gathered", "load_in_place", "metric_states", "private_reset_parameters", "reset_sharded_params",
-    "set_metric_defaults", "spectral_norm_vectors", "swaps_on_conversion", "use_file_system", "warn_lost",
+    "foreach_mul_", "fsdp_default_comms", "has_forward_hooks", "hf_init_weights", "hf_storage_info", "intercept_dispatch",
+    "keep_root_gathered", "load_in_place", "private_reset_parameters", "reset_sharded_params",
+    "spectral_norm_vectors", "storage_holders", "swaps_on_conversion", "use_file_system", "warn_lost",
 ]
 
 
@@ -206,61 +207,43 @@ def use_file_system(writer: Any, file_system: Any) -> None:
 
 
 # -- fused elementwise updates ----------------------------------------------------------------------------------------
-def foreach_mul_(tensors: Sequence[torch.Tensor], scalar: Union[torch.Tensor, float]) -> None:
-    """Multiply every tensor in place by ``scalar`` (a 0-d tensor keeps the factor on the device: no host sync)."""
+def _fused_or_each(op: str, what_is_lost: str, tensors: Sequence[torch.Tensor], *args: Any) -> None:
+    """``torch._foreach_{op}_(tensors, *args)``, or ``t.{op}_`` per tensor (list arguments zipped) where it is gone."""
     if not tensors:
         return
-    fused = getattr(torch, "_foreach_mul_", None)
+    fused = getattr(torch, f"_foreach_{op}_", None)
     if fused is None:
-        warn_lost("foreach_mul", "gradient clipping scales each gradient with its own kernel")
-        for t in tensors:
-            t.mul_(scalar)
+        warn_lost(f"foreach_{op}", what_is_lost)
+        for i, t in enumerate(tensors):
+            getattr(t, f"{op}_")(*(a[i] if isinstance(a, list) else a for a in args))
         return
-    fused(list(tensors), scalar)
+    fused(list(tensors), *args)
+
+
+def foreach_mul_(tensors: Sequence[torch.Tensor], scalar: Union[torch.Tensor, float]) -> None:
+    """Multiply every tensor in place by ``scalar`` (a 0-d tensor keeps the factor on the device: no host sync)."""
+    _fused_or_each("mul", "gradient clipping scales each gradient with its own kernel", tensors, scalar)
 
 
 def foreach_copy_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
     """``target.copy_(source)`` for every pair, in as few kernels as possible."""
-    if not targets:
-        return
-    fused = getattr(torch, "_foreach_copy_", None)
-    if fused is None:
-        warn_lost("foreach_copy", "the moving average's first value is copied with one kernel per tensor")
-        for t, s in zip(targets, sources):
-            t.copy_(s)
-        return
-    fused(list(targets), list(sources))
+    _fused_or_each("copy", "the moving average's first value is copied with one kernel per tensor", targets, list(sources))
 
 
 def foreach_lerp_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], weight: float) -> None:
     """``target += weight * (source - target)`` for every pair, in as few kernels as possible."""
-    if not targets:
-        return
-    fused = getattr(torch, "_foreach_lerp_", None)
-    if fused is None:
-        warn_lost("foreach_lerp", "the moving average is updated with one kernel per tensor")
-        for t, s in zip(targets, sources):
-            t.lerp_(s, weight)
-        return
-    fused(list(targets), list(sources), weight)
+    _fused_or_each("lerp", "the moving average is updated with one kernel per tensor", targets, list(sources), weight)
 
 
 # -- torch.compile ----------------------------------------------------------------------------------------------------
 def compile_errors() -> tuple[type[BaseException], ...]:
     """The exception types torch.compile raises when it cannot compile a function (dynamo and inductor)."""
     errors: list[type[BaseException]] = []
-    try:
-        from torch._dynamo.exc import TorchDynamoException
-
-        errors.append(TorchDynamoException)
-    except ImportError:
-        pass
-    try:
-        from torch._inductor.exc import InductorError
-
-        errors.append(InductorError)
-    except ImportError:
-        pass
+    for module, name in (("torch._dynamo.exc", "TorchDynamoException"), ("torch._inductor.exc", "InductorError")):
+        try:
+            errors.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
     return tuple(errors) or (RuntimeError,)
 
 
@@ -269,6 +252,23 @@ def compiled_graph_count() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+# -- FSDP2's communication buffers ------------------------------------------------------------------------------------
+def fsdp_default_comms() -> Optional[tuple[type, type]]:
+    """FSDP2's default all-gather and reduce-scatter, to subclass with an ``allocate`` that reuses buffers
+    (``FSDPModule.set_custom_all_gather``); ``None`` where they or :func:`storage_holders` moved (warns once)."""
+    if not fast_paths()["comm_buffer_reuse"]:
+        warn_lost("comm_buffer_reuse", "each FSDP unit's communication buffers are allocated afresh every time")
+        return None
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    return DefaultAllGather, DefaultReduceScatter
+
+
+def storage_holders(tensor: torch.Tensor) -> int:
+    """How many tensors (views included) hold ``tensor``'s storage: c10's use count, less the probe's own."""
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)) - 1
 
 
 # -- Hugging Face -----------------------------------------------------------------------------------------------------
@@ -366,21 +366,11 @@ def has_forward_hooks(module: nn.Module) -> bool:
                 or every._global_forward_hooks or every._global_forward_pre_hooks)
 
 
-def metric_states(metric: nn.Module) -> dict[str, tuple[Any, Any, bool]]:
-    """A ``torchmetrics.Metric``'s table of states: name → (reset default, ``dist_reduce_fx``, persistent)."""
-    m = cast(Any, metric)
-    return {name: (default, m._reductions[name], bool(m._persistent[name])) for name, default in m._defaults.items()}
-
-
-def set_metric_defaults(metric: nn.Module, defaults: dict[str, Any], device: torch.device) -> None:
-    """Make ``defaults`` (tensors, or ``[]`` for list states) a metric's reset defaults and its current states, on
-    ``device``, and record ``device`` as the one the metric computes on."""
-    m = cast(Any, metric)
-    for name, default in defaults.items():
-        value: Any = default.detach().to(device) if isinstance(default, torch.Tensor) else []
-        m._defaults[name] = value
-        setattr(m, name, value.clone() if isinstance(value, torch.Tensor) else [])
-    m._device = torch.device(device)
+def _has(module: str, *names: str) -> bool:
+    try:
+        return all(hasattr(importlib.import_module(module), n) for n in names)
+    except ImportError:
+        return False
 
 
 # -- what works on this installation ------------------------------------------------------------------------------------
@@ -390,7 +380,10 @@ _PROBES: dict[str, Callable[[], bool]] = {
     "foreach_mul": lambda: callable(getattr(torch, "_foreach_mul_", None)),
     "foreach_lerp": lambda: callable(getattr(torch, "_foreach_lerp_", None)),
     "foreach_copy": lambda: callable(getattr(torch, "_foreach_copy_", None)),
-    "in_place_load": lambda: all(hasattr(torch.serialization, n) for n in ("_open_zipfile_reader", "_load", "_weights_only_unpickler")),
+    "comm_buffer_reuse": lambda: hasattr(torch._C, "_storage_Use_Count") and _has(
+        "torch.distributed.fsdp._fully_shard._fsdp_collectives", "DefaultAllGather", "DefaultReduceScatter")
+    and _has("torch.distributed.fsdp", "FSDPModule") and hasattr(torch.distributed.fsdp.FSDPModule, "set_custom_all_gather"),
+    "in_place_load": lambda: _has("torch.serialization", "_open_zipfile_reader", "_load", "_weights_only_unpickler"),
 }
 
 

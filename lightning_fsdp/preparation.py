@@ -23,6 +23,7 @@ from lightning_fsdp.checkpoint.base_weights import BaseReference
 from lightning_fsdp.hf.base import loaded_base
 from lightning_fsdp.hf.init_rules import LIBRARY_RULES
 from lightning_fsdp.sharding import DEFAULT_RULES, Sharded, ShardingPlan, materialize_meta_module, parallelize
+from lightning_fsdp.sharding.comm_buffers import HostBufferPool
 from lightning_fsdp.sharding.quantize import QuantizedBase
 
 if TYPE_CHECKING:
@@ -42,12 +43,13 @@ class Preparation:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What :func:`prepare_model` did: the FSDP units, the pretrained base it loaded from safetensors, and the
-    frozen weights it holds quantized."""
+    """What :func:`prepare_model` did: the FSDP units, the pretrained base it loaded from safetensors, the frozen
+    weights it holds quantized, and the pool of host communication buffers its units of one shape share."""
 
     units: list[str] = field(default_factory=list)
     base: Optional[BaseReference] = None
     quantized: Optional[QuantizedBase] = None
+    comm_buffers: Optional[HostBufferPool] = None
 
 
 def prepare_model(model: nn.Module, mesh: DeviceMesh, preparation: Preparation) -> Prepared:
@@ -78,7 +80,7 @@ def prepare_model(model: nn.Module, mesh: DeviceMesh, preparation: Preparation) 
         from lightning_fsdp.checkpoint import load_pretrained
 
         load_pretrained(model, source, strict=preparation.strict)
-    return Prepared(units, base, sharded.quantized)
+    return Prepared(units, base, sharded.quantized, sharded.comm_buffers)
 
 
 def _train_hf_models_without_cache(model: nn.Module, sharded: Sharded) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_fsdp._torch_compat import metric_states, set_metric_defaults
+from lightning_fsdp._lightning_compat import metric_states, set_metric_defaults
 
 
 def metric_class() -> Optional[type[nn.Module]]:

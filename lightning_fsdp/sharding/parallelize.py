@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_fsdp._torch_compat import composable_checkpoint
 from lightning_fsdp.parallel.collectives import rank
+from lightning_fsdp.sharding.comm_buffers import HostBufferPool, reuse_host_comm_buffers
 from lightning_fsdp.sharding.compile import CompileArg, compile_options, compile_units
 from lightning_fsdp.sharding.policy import WrapPolicy, validate_policy
 from lightning_fsdp.sharding.quantize import QuantizedBase, check_method, device_of, quantize_units
@@ -39,6 +40,8 @@ class ShardingPlan:
     reshard_after_forward: Union[bool, int] = True
     compile: CompileArg = False
     quantize_base: Optional[str] = None
+    #: units of one shape hand their host all-gather and reduce-scatter buffers on (:mod:`.comm_buffers`)
+    reuse_host_buffers: bool = True
 
     def __post_init__(self) -> None:
         compile_options(self.compile)  # validates
@@ -138,16 +141,19 @@ def shard_model(
 @dataclass(frozen=True)
 class Sharded:
     """What :func:`parallelize` did: the FSDP units (the root is ``""``), the modules that recompute activations,
-    the units whose forward is compiled, and the frozen weights held quantized."""
+    the units whose forward is compiled, the frozen weights held quantized, and the pool the units of one shape
+    take their host communication buffers from."""
 
     units: list[str]
     checkpointed: list[str]
     compiled: list[str]
     quantized: Optional[QuantizedBase] = None
+    comm_buffers: Optional[HostBufferPool] = None
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> Sharded:
-    """Activation checkpointing, the frozen base quantized, then FSDP units bottom-up and the root."""
+    """Activation checkpointing, the frozen base quantized, then FSDP units bottom-up and the root; then units of
+    one shape share their host communication buffers."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
@@ -163,6 +169,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> Shard
         compile=plan.compile,
         quantize_base=plan.quantize_base,
     )
+    modules = dict(model.named_modules())
+    pool = reuse_host_comm_buffers([modules[name] for name in units]) if plan.reuse_host_buffers else None
     options = compile_options(plan.compile)
     compiled = [] if options is None else [u for u in units if u or options.get("root")]
-    return Sharded(units, checkpointed, compiled, quantized)
+    return Sharded(units, checkpointed, compiled, quantized, pool)

@@ -61,6 +61,10 @@ def test_parity_uneven_tied_transformer(tmp_path, world):
     assert result["wrapped_units"] == ["net.layers.0", "net.layers.1", "net.layers.2", ""]
     assert result["world_size"] == world
     assert_parity(result, reference)
+    # the three blocks (one shape) gather into, and reduce-scatter out of, a few host buffers handed on; the root's
+    # gather is its own: the blocks' buffers held are at most the pool's four of one size
+    pool = result["comm_buffers"]
+    assert 1 <= pool["allocated"] <= 4 < 6 * 3 < pool["reused"], pool
 
 
 def test_parity_frozen_params_and_clipping(tmp_path):

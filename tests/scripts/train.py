@@ -329,6 +329,9 @@ def main(spec: dict) -> None:
         result["wrapped_units"] = trainer.strategy.wrapped_units
         quantized = getattr(trainer.strategy, "quantized_base", None)
         result["quantized"] = quantized.to_dict() if quantized is not None else None
+        pool = trainer.strategy.runtime.prepared.comm_buffers
+        result["comm_buffers"] = None if pool is None else {"reused": pool.reused, "allocated": pool.allocated,
+                                                             "held_bytes": pool.held_bytes}
     if trainer.is_global_zero and spec.get("out"):
         out = Path(spec["out"])
         torch.save(params, out.with_suffix(".params.pt"))

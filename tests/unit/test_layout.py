@@ -12,6 +12,7 @@ import ast
 from pathlib import Path
 
 import pytest
+import torch
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_fsdp"
 MAX_LINES = 400
@@ -319,3 +320,18 @@ def test_test_files_have_unique_names():
             clashes.append(f"{seen[path.name].relative_to(tests_root)} and {path.relative_to(tests_root)}")
         seen.setdefault(path.name, path)
     assert not clashes, f"rename one of each pair: {clashes}"
+
+
+def test_lost_foreach_kernels_and_comm_hooks_fall_back_and_say_what_is_lost(monkeypatch):
+    from lightning_fsdp import _torch_compat as compat
+    from lightning_fsdp.sharding import reuse_host_comm_buffers
+
+    monkeypatch.setattr(compat, "_WARNED", set())
+    monkeypatch.delattr(torch, "_foreach_lerp_")
+    targets, sources = [torch.zeros(3), torch.ones(2)], [torch.full((3,), 4.0), torch.full((2,), 3.0)]
+    with pytest.warns(compat.FastPathLost, match=r"'foreach_lerp' is unavailable.*one kernel per tensor"):
+        compat.foreach_lerp_(targets, sources, 0.25)
+    assert targets[0].tolist() == [1.0] * 3 and targets[1].tolist() == [1.5] * 2
+    monkeypatch.setattr(compat, "fast_paths", lambda: {"comm_buffer_reuse": False})
+    with pytest.warns(compat.FastPathLost, match=r"'comm_buffer_reuse' is unavailable.*allocated afresh"):
+        assert reuse_host_comm_buffers([]) is None
