@@ -155,6 +155,32 @@ def release_freed_host_memory() -> bool:
     return True
 
 
+class HeapTrimAfterGrowth:
+    """Trim the host heap after an optimizer step (:func:`release_freed_host_memory`) only once this process's RSS
+    has grown ``slack`` bytes past where the first step left it.
+
+    Every page a trim returns that the next step needs again is faulted in and zeroed again: trimming after every
+    step cost a full fine-tune of SmolLM2 at 2 CPU ranks 0.5 s of its 6 s step. Where the heap does not grow (FSDP's
+    buffers handed on, large blocks mapped), RSS creeps by ~12 MiB a step, so a trim comes about every 20 steps;
+    where it does (LoRA, trim-only: ~0.2 GiB a step otherwise), after nearly every step, as before.
+    """
+
+    def __init__(self, slack: int = 256 * 1024 * 1024) -> None:
+        self.slack = slack
+        self.ceiling: Optional[int] = None
+        self.trims = 0
+
+    def after_step(self) -> bool:
+        """Called after each optimizer step; whether it trimmed."""
+        rss = current_rss()
+        if self.ceiling is None:
+            self.ceiling = rss + self.slack
+        if rss <= self.ceiling or not release_freed_host_memory():
+            return False
+        self.trims += 1
+        return True
+
+
 LARGE_HOST_BLOCK_BYTES = 4 * 1024 * 1024
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 

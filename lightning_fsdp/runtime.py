@@ -33,6 +33,7 @@ from lightning_fsdp.checkpoint.checkpointer import Checkpointer
 from lightning_fsdp.fixes import FixWording, worded_for
 from lightning_fsdp.hf import resolve_base
 from lightning_fsdp.hf.info import annotate_checkpoint
+from lightning_fsdp.memory import HeapTrimAfterGrowth
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.parallel.grad_norm import StepGradNorm
@@ -105,6 +106,8 @@ class ShardedRuntime:
         self.mesh_shape: Optional[mesh_utils.MeshShape] = None
         #: what the last :meth:`prepare` did: FSDP units, the safetensors base it loaded, the weights held in NF4
         self.prepared = Prepared()
+        #: the host heap handed back after a step once it grew (the Trainer front end's ``release_host_memory``)
+        self.heap_trim = HeapTrimAfterGrowth()
 
     # -- processes -----------------------------------------------------------------------------------------------------
     def join(

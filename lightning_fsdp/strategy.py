@@ -90,9 +90,9 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         skip_nonfinite_steps: if any rank sees a NaN/inf loss or gradient norm, every rank skips that optimizer
             step; after ``max_nonfinite_steps`` consecutive skips training stops with an error.
         max_nonfinite_steps: see ``skip_nonfinite_steps``.
-        release_host_memory: hand the host heap's free pages back to the OS after each optimizer step (glibc
-            ``malloc_trim``) and, when most weights are trained, map host blocks of 4 MiB or more on their own
-            (``mallopt``), so the heap neither grows step after step nor fragments within one. ``None`` (default):
+        release_host_memory: hand the host heap's free pages back to the OS (glibc ``malloc_trim``) after an
+            optimizer step once RSS has grown 256 MiB past the first step's, and, when most weights are trained, map
+            host blocks of 4 MiB or more on their own (``mallopt``), so the heap does not grow. ``None`` (default):
             on when parameters live in CPU memory (a CPU run, or ``cpu_offload``).
     """
 
@@ -310,7 +310,7 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         with self.runtime.grad_norm.step():
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.releases_host_memory:
-            host_memory.release_freed_host_memory()
+            self.runtime.heap_trim.after_step()
         return result
 
     @override

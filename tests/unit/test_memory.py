@@ -223,3 +223,15 @@ def test_only_a_run_that_trains_most_weights_counts_as_a_full_fine_tune():
     base.requires_grad_(True)
     adapter.requires_grad_(False)
     assert trains_most_weights(tied)
+
+
+def test_the_heap_is_trimmed_only_once_rss_grew_past_the_first_steps_by_the_slack(monkeypatch):
+    from lightning_fsdp import memory
+
+    rss = iter([1000, 1100, 1200, 1201, 900, 1150, 1250])
+    trimmed: list[int] = []
+    monkeypatch.setattr(memory, "current_rss", lambda: next(rss))
+    monkeypatch.setattr(memory, "release_freed_host_memory", lambda: trimmed.append(1) or True)
+    trim = memory.HeapTrimAfterGrowth(slack=200)
+    assert [trim.after_step() for _ in range(7)] == [False, False, False, True, False, False, True]
+    assert trim.trims == len(trimmed) == 2 and trim.ceiling == 1200
