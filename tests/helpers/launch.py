@@ -8,6 +8,8 @@ import random
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -121,3 +123,22 @@ def train_many(
         result["proc"] = proc
         results[name] = result
     return results
+
+
+@contextmanager
+def one_rank_gloo_mesh() -> Iterator[Any]:
+    """A 1-rank gloo process group in this process and its CPU mesh (skips the test where one exists already)."""
+    import tempfile
+
+    import pytest
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already")
+    with tempfile.NamedTemporaryFile() as f:
+        dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
+        try:
+            yield init_device_mesh("cpu", (1,))
+        finally:
+            dist.destroy_process_group()

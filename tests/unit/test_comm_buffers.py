@@ -4,14 +4,13 @@ with it equals an unsharded run, and that it is reused there, is asserted by the
 
 from __future__ import annotations
 
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_fsdp.sharding import HostBufferPool, reuse_host_comm_buffers
+from tests.helpers.launch import one_rank_gloo_mesh
 
 CPU = torch.device("cpu")
 
@@ -59,16 +58,8 @@ def test_device_buffers_are_left_to_their_allocator():
 
 @pytest.fixture(scope="module")
 def mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dist.is_initialized():
-        pytest.skip("a process group exists already")
-    with tempfile.NamedTemporaryFile() as f:
-        dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
-        try:
-            yield init_device_mesh("cpu", (1,))
-        finally:
-            dist.destroy_process_group()
+    with one_rank_gloo_mesh() as one_rank:
+        yield one_rank
 
 
 def test_only_units_of_a_repeated_shape_take_their_buffers_from_the_pool(mesh):

@@ -4,18 +4,17 @@ large tensors that give the same numbers as drawing them whole."""
 from __future__ import annotations
 
 import math
-import tempfile
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_fsdp._torch_compat import intercept_dispatch
 from lightning_fsdp.sharding import materialize
 from lightning_fsdp.sharding.materialize import _row_chunks, _whole_tensor_draws
+from tests.helpers.launch import one_rank_gloo_mesh
 
 FILLS = {
     "uniform_": (-0.5, 0.5), "normal_": (0.1, 2.0), "bernoulli_": (0.3,), "random_": (0, 100), "exponential_": (1.5,),
@@ -97,16 +96,8 @@ def test_large_tensors_chunk_exactly():
 # -- DTensors on a 1-rank gloo mesh -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dist.is_initialized():
-        pytest.skip("a process group exists already")
-    with tempfile.NamedTemporaryFile() as f:
-        dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
-        try:
-            yield init_device_mesh("cpu", (1,))
-        finally:
-            dist.destroy_process_group()
+    with one_rank_gloo_mesh() as one_rank:
+        yield one_rank
 
 
 def _sharded_empty(shape, mesh, dtype=torch.float32):
