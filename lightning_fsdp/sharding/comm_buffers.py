@@ -71,7 +71,7 @@ def _signature(unit: nn.Module) -> tuple[tuple[tuple[int, ...], torch.dtype, boo
     return tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in _own_parameters(unit))
 
 
-def reuse_host_comm_buffers(units: Sequence[nn.Module], pool: Optional[HostBufferPool] = None) -> Optional[HostBufferPool]:
+def reuse_host_comm_buffers(units: Sequence[nn.Module]) -> Optional[HostBufferPool]:
     """Give the FSDP ``units`` that share their parameters' shapes with another unit an all-gather and a
     reduce-scatter whose host buffers come from one :class:`HostBufferPool` (returned; ``None`` where the installed
     torch has moved the hooks, which warns once). The others keep FSDP's own."""
@@ -79,7 +79,7 @@ def reuse_host_comm_buffers(units: Sequence[nn.Module], pool: Optional[HostBuffe
     if comms is None:
         return None
     default_all_gather, default_reduce_scatter = comms
-    shared = pool or HostBufferPool()
+    shared = HostBufferPool()
 
     class PooledAllGather(default_all_gather):  # type: ignore[valid-type,misc]
         """All-gathers into a pooled buffer, and notes its size for its unit's reduce-scatter."""
