@@ -1,5 +1,5 @@
 """Every private Lightning internal the package relies on, in one module, checked against the Lightning it was
-written for (torch's internals live in ``_torch_compat.py``), and the few of torchmetrics, Lightning's metrics.
+written for (torch's internals live in ``_torch_compat/``), and the few of torchmetrics, Lightning's metrics.
 
 Lightning's two halves meet here only as names: ``lightning.fabric`` internals (process-group start-up, Fabric's
 launcher and backward-sync control) and ``lightning.pytorch`` internals (the Trainer's launcher, step redirection,

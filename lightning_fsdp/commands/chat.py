@@ -4,7 +4,8 @@ MODEL is a Hugging Face model directory (what ``consolidate --format hf`` writes
 file (converted once into a cached directory, see :mod:`lightning_fsdp.hf.gguf`) or a sharded checkpoint directory
 written by training: its model is rebuilt in memory as ``consolidate --format hf`` would write it (LoRA adapters
 merged into the frozen base the checkpoint recorded, or ``--base``), so no export is needed to try it. The prompt
-goes through the tokenizer's chat template and the answer is streamed as it is generated: greedy by default
+goes through the tokenizer's chat template and the answer is streamed as the package's generation engine makes it
+(:mod:`lightning_fsdp.generation`, the one that answers held-out questions and rolls out GRPO): greedy by default
 (``--temperature 0``, reproducible and scriptable), sampled above 0. ``--prompt`` answers once and exits; without
 it a prompt reads lines from stdin and keeps the conversation (``/reset`` forgets it, ``/exit`` or Ctrl-D quits).
 One process, no process group, the CPU unless ``--device`` says otherwise.
@@ -142,32 +143,39 @@ def reply(
     seed: Optional[int] = None,
     streamer: Optional[BaseStreamer] = None,
 ) -> str:
-    """The assistant's next message after ``messages`` (chat-templated with a generation prompt): greedy at
-    ``temperature`` 0, sampled (from ``seed`` if given) above; new tokens go to ``streamer`` as they come."""
+    """The assistant's next message after ``messages`` (chat-templated with a generation prompt), from the
+    package's generation engine: greedy at ``temperature`` 0, sampled (from ``seed`` if given) above; new tokens
+    go to ``streamer`` as they come. Tokens the model's generation config suppresses are never chosen."""
+    import random
+
     import torch
+
+    from lightning_fsdp.generation import Sampling, generate
 
     if temperature < 0:
         raise ChatError(f"--temperature must be 0 (greedy) or more, got {temperature}.")
-    encoded: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
-                                                 return_tensors="pt")
-    prompt_ids = encoded["input_ids"].to(model.device)
-    mask = encoded.get("attention_mask")
+    encoded: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    prompt_ids = list(encoded["input_ids"])
     stops = stop_token_ids(model, tokenizer)
-    options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": stops or None}
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else None)
-    options["pad_token_id"] = pad
-    if temperature > 0:
-        if seed is not None:
-            torch.manual_seed(seed)
-        options.update(do_sample=True, temperature=temperature)
-    else:
-        options.update(do_sample=False, temperature=None, top_p=None, top_k=None)  # no sampling settings to ignore
-    generate: Any = model.generate
+    suppressed = getattr(model.generation_config, "suppress_tokens", None) or ()
+    if seed is None and temperature > 0:
+        seed = random.SystemRandom().randrange(2**31)
+    sampling = Sampling(max_new_tokens, temperature=temperature, stop_ids=tuple(stops), seed=seed or 0,
+                        suppress_ids=tuple(suppressed))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+    on_tokens = None
+    if streamer is not None:
+        streamer.put(torch.tensor([prompt_ids]))  # the prompt first: a streamer that skips it expects it
+
+        def on_tokens(rows: list[int], tokens: list[int]) -> None:
+            streamer.put(torch.tensor(tokens))
+
     with torch.inference_mode():
-        output = generate(input_ids=prompt_ids, attention_mask=None if mask is None else mask.to(model.device),
-                          streamer=streamer, **options)
-    new_tokens = output[0, prompt_ids.shape[1]:]
-    return str(tokenizer.decode(new_tokens, skip_special_tokens=True))
+        done = generate(cast(torch.nn.Module, model), [prompt_ids], sampling, pad_id=int(pad), device=model.device,
+                        on_tokens=on_tokens)
+    if streamer is not None:
+        streamer.end()
+    return str(tokenizer.decode(done.ids[0], skip_special_tokens=True))
 
 
 def _streamer(tokenizer: PreTrainedTokenizerBase) -> BaseStreamer:
@@ -202,7 +210,7 @@ def repl(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: argpa
         messages.append({"role": "user", "content": line})
         print(ASSISTANT_PREFIX, end="", flush=True)
         try:
-            answer = reply(model, tokenizer, messages, args.max_new_tokens, args.temperature,
+            answer = reply(model, tokenizer, messages, args.max_new_tokens, args.temperature, seed=args.seed,
                            streamer=_streamer(tokenizer))
         except KeyboardInterrupt:  # stop this answer, keep the conversation as it was before the question
             messages.pop()
@@ -278,15 +286,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _chat(args: argparse.Namespace) -> int:
     """Load the model, then answer ``--prompt`` once or hold a conversation."""
     model, tokenizer = load_chat_model(args.model, args.base, args.dtype, args.chat_template, args.device)
-    if args.seed is not None:
-        import torch
-
-        torch.manual_seed(args.seed)
     if args.prompt is None:
         return repl(model, tokenizer, args)
     messages: list[Message] = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages.append({"role": "user", "content": args.prompt})
-    reply(model, tokenizer, messages, args.max_new_tokens, args.temperature, streamer=_streamer(tokenizer))
+    reply(model, tokenizer, messages, args.max_new_tokens, args.temperature, seed=args.seed,
+          streamer=_streamer(tokenizer))
     return 0
 
 

@@ -11,65 +11,23 @@ The figures go into ``trainer.callback_metrics`` (``held_out_loss``, ``held_out_
 and their ``*_at_start``), hence into the job's ``summary.json``; the step-0 loss is also logged as ``val_loss`` at
 step 0, so the validation curve starts where training does.
 
-Every rank runs the same generation (FSDP gathers each unit's parameters in its forward); rank 0 prints. Answers
-are generated in batches, left-padded, with transformers' ``generate`` and its key/value cache when the module
-holds a Hugging Face model (``pl_module.model``), else token by token through ``pl_module.generate``.
+The answers come from the package's generation engine (:mod:`lightning_fsdp.generation`): each rank decodes its
+share of the questions on the sharded model, batched and left-padded with a key/value cache when the module holds
+a Hugging Face model (``pl_module.model``), and every rank gets every answer; rank 0 prints.
 """
 
 from __future__ import annotations
 
 import textwrap
 import time
-from collections.abc import Callable
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-__all__ = ["HeldOutAnswers", "answer", "greedy_answers", "held_out_loss", "in_root_forward"]
-
-T = TypeVar("T")
-
-
-def answer(model: Any, prompt_ids: torch.Tensor, max_new_tokens: int, stop_ids: set[int]) -> list[int]:
-    """The greedy continuation of ``prompt_ids`` up to a stop token (excluded) or ``max_new_tokens``."""
-    out = model.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=stop_ids)
-    return _until_stop(out[0, prompt_ids.numel():].tolist(), stop_ids)
-
-
-def _until_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
-    for i, token in enumerate(tokens):
-        if token in stop_ids:
-            return tokens[:i]
-    return tokens
-
-
-def in_root_forward(pl_module: Any, work: Callable[[], T]) -> T:
-    """``work()`` in eval mode without gradients, run as ``pl_module``'s own forward call.
-
-    ``work`` calls into the inner model directly; run that way, FSDP2's root hooks run around it as in a training
-    step (the first forward through the root initialises FSDP, and the root unit's parameters are gathered), as
-    Lightning does for ``training_step``. Every unit is resharded after.
-    """
-    from lightning_fsdp.models.gpt import reshard_gathered
-
-    was_training = pl_module.training
-
-    def forward() -> T:
-        del pl_module.forward  # the class's own forward again
-        return work()
-
-    pl_module.eval()
-    pl_module.forward = forward
-    try:
-        with torch.no_grad():
-            return pl_module()
-    finally:
-        pl_module.__dict__.pop("forward", None)
-        pl_module.train(was_training)
-        reshard_gathered(pl_module)
+__all__ = ["HeldOutAnswers", "greedy_answers", "held_out_loss"]
 
 
 def _hf_model(pl_module: Any) -> Optional[Any]:
@@ -80,33 +38,17 @@ def _hf_model(pl_module: Any) -> Optional[Any]:
 @torch.no_grad()
 def greedy_answers(
     pl_module: Any, prompts: list[torch.Tensor], max_new_tokens: int, stop_ids: set[int], pad_id: int,
-    batch_size: int = 32,
+    batch_size: int = 32, rollout_mode: str = "auto", device: Optional[torch.device] = None,
 ) -> list[list[int]]:
-    """Each prompt's greedy answer (token ids, stop token excluded); the same on every rank."""
-    model = _hf_model(pl_module)
-    if model is None:
-        return [answer(pl_module, p, max_new_tokens, stop_ids) for p in prompts]
-    device = next(iter(pl_module.parameters())).device
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    """Each prompt's greedy answer (token ids, stop token excluded), the same on every rank: each rank decodes its
+    share of the prompts (:func:`~lightning_fsdp.generation.generate_on_ranks`)."""
+    from lightning_fsdp.generation import Sampling, generate_on_ranks
 
-    def generate_all() -> list[list[int]]:
-        answers: list[list[int]] = []
-        for start in range(0, len(prompts), batch_size):
-            batch = prompts[start:start + batch_size]
-            width = max(p.numel() for p in batch)
-            ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, prompt in enumerate(batch):  # left padding: every answer starts at the same column
-                ids[row, width - prompt.numel():] = prompt
-                mask[row, width - prompt.numel():] = 1
-            out = model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                do_sample=False, eos_token_id=sorted(stop_ids), pad_token_id=pad_id, synced_gpus=distributed,
-            )
-            answers += [_until_stop(row[width:].tolist(), stop_ids) for row in out]
-        return answers
-
-    return in_root_forward(pl_module, generate_all)
+    model = _hf_model(pl_module) or pl_module
+    done = generate_on_ranks(pl_module, model, [p.tolist() for p in prompts],
+                             Sampling(max_new_tokens, temperature=0.0, stop_ids=tuple(stop_ids)), pad_id=pad_id,
+                             mode=rollout_mode, batch_size=batch_size, device=device)
+    return [done.text_ids(i) for i in range(len(prompts))]
 
 
 def held_out_loss(trainer: L.Trainer, pl_module: Any) -> Optional[float]:
@@ -124,6 +66,8 @@ def held_out_loss(trainer: L.Trainer, pl_module: Any) -> Optional[float]:
             total.add_(loss_sum.double().cpu())
             count.add_(tokens.double().cpu())
 
+    from lightning_fsdp.generation import in_root_forward
+
     in_root_forward(pl_module, add_up)
     sums = trainer.strategy.reduce(torch.stack([total, count]).to(device), reduce_op="sum")
     return float(sums[0] / sums[1].clamp(min=1))
@@ -137,10 +81,13 @@ class HeldOutAnswers(Callback):
         max_new_tokens: the longest answer generated.
         show: questions printed with their reference and the answers before and after training.
         batch_size: questions generated at once.
+        rollout_mode: how a sharded model is gathered while answering (:data:`~lightning_fsdp.generation.ROLLOUT_MODES`).
     """
 
-    def __init__(self, count: int = 32, max_new_tokens: int = 48, show: int = 4, batch_size: int = 32) -> None:
+    def __init__(self, count: int = 32, max_new_tokens: int = 48, show: int = 4, batch_size: int = 32,
+                 rollout_mode: str = "auto") -> None:
         self.count, self.max_new_tokens, self.show, self.batch_size = count, max_new_tokens, show, batch_size
+        self.rollout_mode = rollout_mode
         self.results: dict[str, dict[str, float]] = {}
         self.seconds: dict[str, float] = {}
         self._validated: Optional[tuple[int, float]] = None  # (step, val_loss) of Lightning's last validation
@@ -163,7 +110,7 @@ class HeldOutAnswers(Callback):
         stop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None}
         pad_id = int(getattr(datamodule, "pad_id", tokenizer.pad_token_id or 0))
         ids = greedy_answers(pl_module, [p for p, _, _ in examples], self.max_new_tokens, stop_ids, pad_id,
-                             self.batch_size)
+                             self.batch_size, self.rollout_mode, trainer.strategy.root_device)
         texts = [datamodule.decode(a).strip() for a in ids]
         references = [reference.strip() for _, _, reference in examples]
         from torchmetrics.text import ROUGEScore

@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_fsdp.generation import reshard_gathered
 from lightning_fsdp.loss import check_chunk_tokens, chunked_causal_lm_eval, chunked_causal_lm_loss
 from lightning_fsdp.models.gpt_config import GPTConfig, count_params, get_preset
 from lightning_fsdp.models.metrics import ValidationMetrics
@@ -384,13 +385,3 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
     span = max(total_steps - warmup_steps, 1)
     progress = min(max(step - warmup_steps, 0) / span, 1.0)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def reshard_gathered(module: nn.Module) -> None:
-    """Free parameters that FSDP2 left gathered after a forward without backward (the root keeps its own)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-

@@ -191,31 +191,30 @@ class HFCausalLM(L.LightningModule):
         self, prompt_ids: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
         seed: int = 0, stop_ids: Optional[set[int]] = None,
     ) -> Tensor:
-        """Sample a continuation of ``prompt_ids`` ((T,) or (B, T)), as ``GPTLightningModule.generate`` does: every
-        rank calls it (FSDP gathers parameters in each forward) and, with the same ``seed``, samples the same text.
-        Only the last position's logits are computed (``logits_to_keep=1``). Stops early once every row has produced
-        one of ``stop_ids``."""
-        from lightning_fsdp.models.gpt import reshard_gathered, sample_next
+        """Sample a continuation of ``prompt_ids`` ((T,) or (B, T)) with the package's generation engine and a
+        key/value cache: every rank calls it (a sharded model streams its units, the ranks in step) and, with the
+        same ``seed``, samples the same text. Returns prompt + new tokens; a row that stopped early (at one of
+        ``stop_ids``) is padded with its stop token."""
+        from lightning_fsdp.generation import Sampling, generate, in_root_forward, rollout_gathering
 
         device = self.trainer.strategy.root_device if self._trainer is not None else next(self.parameters()).device
-        idx = prompt_ids.to(device).long()
+        idx = prompt_ids.long()
         idx = idx[None] if idx.ndim == 1 else idx
-        generator = torch.Generator(device=device).manual_seed(seed)
-        stopped = torch.zeros(idx.shape[0], dtype=torch.bool, device=device)
-        was_training = self.training
-        self.eval()
-        try:
-            for _ in range(max_new_tokens):
-                logits = self(idx, logits_to_keep=1)[:, -1, :].float()
-                idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)
-                if stop_ids:
-                    stopped |= torch.isin(idx[:, -1], torch.tensor(sorted(stop_ids), device=device))
-                    if bool(stopped.all()):  # the same on every rank: the ranks sample the same tokens
-                        break
-        finally:
-            self.train(was_training)
-            reshard_gathered(self)
-        return idx
+        sampling = Sampling(max_new_tokens, temperature=temperature, top_k=top_k or 0,
+                            stop_ids=tuple(stop_ids or ()), seed=seed)
+        if self.model is None:
+            self.configure_model()
+        model = self.model
+        assert model is not None
+
+        def work() -> Any:
+            with rollout_gathering(self, "stream") as synchronized:
+                return generate(model, idx.tolist(), sampling, pad_id=0, device=device, synchronized=synchronized)
+
+        done = in_root_forward(self, work)
+        longest = max(len(row) for row in done.ids)
+        rows = [row + row[-1:] * (longest - len(row)) for row in done.ids]
+        return torch.cat([idx.to(device), torch.tensor(rows, dtype=torch.long, device=device)], dim=1)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         h = self.hparams

@@ -130,7 +130,7 @@ class HFPreferenceLM(HFCausalLM):
             self._precompute()
 
     def _precompute(self) -> None:
-        from lightning_fsdp.models.answers import in_root_forward
+        from lightning_fsdp.generation import in_root_forward
 
         trainer = self.trainer
         datamodule: Any = getattr(trainer, "datamodule", None)
@@ -243,7 +243,7 @@ class HFPreferenceLM(HFCausalLM):
 def held_out_preferences(trainer: Any, pl_module: HFPreferenceLM) -> Optional[dict[str, float]]:
     """Pair-weighted means over every held-out pair of every rank: the loss, reward accuracy and margin, and how
     often the policy gives the chosen answer more probability than the rejected one (``chosen_preferred``)."""
-    from lightning_fsdp.models.answers import in_root_forward
+    from lightning_fsdp.generation import in_root_forward
 
     datamodule: Any = getattr(trainer, "datamodule", None)
     if datamodule is None or getattr(datamodule, "val_set", None) is None or not len(datamodule.val_set):

@@ -49,7 +49,7 @@ class ReferenceModel(nn.Module):
 
     @torch.no_grad()
     def score(self, batch: dict[str, Tensor]) -> Tensor:
-        from lightning_fsdp.models.gpt import reshard_gathered
+        from lightning_fsdp.generation import reshard_gathered
 
         try:
             return self(batch["input_ids"], batch["attention_mask"], batch["labels"])

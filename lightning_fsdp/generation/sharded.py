@@ -1,0 +1,81 @@
+"""Generation on a sharded model from its root: the rollout mode resolved against the device's free memory, the
+prompts split over the ranks, and every completion gathered back in order (:func:`generate_on_ranks`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lightning_fsdp.generation.engine import Completions, generate
+from lightning_fsdp.generation.fsdp import choose_rollout_mode, in_root_forward, rollout_gathering
+from lightning_fsdp.generation.sampling import Sampling
+from lightning_fsdp.memory import full_param_bytes
+from lightning_fsdp.parallel.collectives import all_gather_object, is_distributed, rank, world_size
+
+__all__ = ["free_device_bytes", "generate_on_ranks", "resolve_rollout_mode"]
+
+
+def free_device_bytes(device: torch.device) -> Optional[int]:
+    """What this rank may still use on ``device``: a GPU's free memory, or its share of the host's available memory
+    (``MemAvailable`` over the node's local ranks); ``None`` where it cannot be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
+def resolve_rollout_mode(mode: str, module: nn.Module, device: torch.device) -> str:
+    """``mode``, with ``"auto"`` decided by whether the whole model fits beside what the device holds now."""
+    if mode != "auto":
+        return choose_rollout_mode(mode, 0, None)
+    return choose_rollout_mode(mode, full_param_bytes(module), free_device_bytes(device))
+
+
+def generate_on_ranks(
+    root: nn.Module,
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    sampling: Sampling,
+    *,
+    pad_id: int,
+    mode: str = "auto",
+    batch_size: Optional[int] = None,
+    device: Optional[torch.device] = None,
+) -> Completions:
+    """Every prompt completed once, the work split over the ranks and the result the same on every rank.
+
+    ``root`` is the module FSDP2 sharded last (a LightningModule: its forward hooks gather the root unit), ``model``
+    what is called to decode (e.g. its Hugging Face model). Rank ``r`` of ``N`` takes prompts ``r, r + N, ...``;
+    every rank decodes as many prompts (the last ones padded with a copy of the first), so a streamed rollout makes
+    the same calls everywhere. Each prompt is seeded by its index here, so the answers do not depend on ``N``.
+    """
+    if not prompts:
+        return Completions([], [], 0, 0.0)
+    device = device if device is not None else next(root.parameters()).device
+    world, me = (world_size(), rank()) if is_distributed() else (1, 0)
+    mine = list(range(me, len(prompts), world))
+    share = -(-len(prompts) // world)
+    padded = mine + [mine[0] if mine else 0] * (share - len(mine))
+    resolved = resolve_rollout_mode(mode, root, device)
+
+    def work() -> Completions:
+        with rollout_gathering(root, resolved) as synchronized:
+            return generate(model, [prompts[i] for i in padded], sampling, pad_id=pad_id, keys=padded,
+                            batch_size=batch_size, device=device, synchronized=synchronized)
+
+    done = in_root_forward(root, work)
+    local = [(i, done.ids[k], done.stopped[k]) for k, i in enumerate(padded[: len(mine)])]
+    ids: list[list[int]] = [[] for _ in prompts]
+    stopped = [False] * len(prompts)
+    for part in all_gather_object(local):
+        for i, row, was_stopped in part:
+            ids[i], stopped[i] = row, was_stopped
+    return Completions(ids, stopped, done.steps, done.seconds)
