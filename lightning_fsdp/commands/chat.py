@@ -163,16 +163,15 @@ def reply(
     sampling = Sampling(max_new_tokens, temperature=temperature, stop_ids=tuple(stops), seed=seed or 0,
                         suppress_ids=tuple(suppressed))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
-    on_tokens = None
+    def on_tokens(rows: list[int], tokens: list[int]) -> None:
+        assert streamer is not None
+        streamer.put(torch.tensor(tokens))
+
     if streamer is not None:
         streamer.put(torch.tensor([prompt_ids]))  # the prompt first: a streamer that skips it expects it
-
-        def on_tokens(rows: list[int], tokens: list[int]) -> None:
-            streamer.put(torch.tensor(tokens))
-
     with torch.inference_mode():
         done = generate(cast(torch.nn.Module, model), [prompt_ids], sampling, pad_id=int(pad), device=model.device,
-                        on_tokens=on_tokens)
+                        on_tokens=on_tokens if streamer is not None else None)
     if streamer is not None:
         streamer.end()
     return str(tokenizer.decode(done.ids[0], skip_special_tokens=True))

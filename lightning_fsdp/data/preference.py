@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,9 +39,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_fsdp.data._loaders import SplitDataModule
 from lightning_fsdp.data.order import GlobalOrderSampler, data_parallel_rank
-from lightning_fsdp.data.sft.module import _check_model, _default_cache_dir, load_tokenizer
-from lightning_fsdp.data.sft.prepared import _splits, tokenizer_identity
-from lightning_fsdp.data.sft.source import column_names, content_digest, data_files
+from lightning_fsdp.cache import build_once, cache_root
+from lightning_fsdp.data.sft.module import check_model_fits, load_tokenizer
+from lightning_fsdp.data.sft.prepared import recipe_key
+from lightning_fsdp.data.sft.source import column_names, train_val_sources
 from lightning_fsdp.formatting import format_count as count
 from lightning_fsdp.loss import IGNORE_INDEX
 
@@ -166,46 +166,31 @@ class PairRecipe:
 
 def prepare_pairs(recipe: PairRecipe, encoder: PairEncoder, cache_root: Path, num_proc: Optional[int] = None) -> Path:
     """The prepared directory for ``recipe`` (tokenized, filtered pairs per split and their counts), built once."""
-    import datasets
+    root = cache_root / f"pairs-{recipe_key(recipe, encoder.tokenizer, PAIR_ENCODING_VERSION)}"
+    return build_once(root, lambda out: _build_pairs(recipe, encoder, cache_root, out, num_proc), complete="stats.json")
+
+
+def _build_pairs(recipe: PairRecipe, encoder: PairEncoder, cache_root: Path, tmp: Path, num_proc: Optional[int]) -> None:
     import numpy as np
 
-    files = data_files(recipe.path) + (data_files(recipe.val_path) if recipe.val_path else [])
-    key = content_digest(files, {"recipe": {**asdict(recipe), "path": None, "val_path": None},
-                                 "tokenizer": tokenizer_identity(encoder.tokenizer), "version": PAIR_ENCODING_VERSION})
-    root = cache_root / f"pairs-{key}"
-    if (root / "stats.json").exists():
-        return root
-    tmp = cache_root / f".{root.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        train_source, val_source = _splits(recipe, cache_root / "sources")  # the SFT sets' split, same fields
-        splits = {"train": train_source, "val": val_source}
-        stats: dict[str, Any] = {}
-        for split, data in splits.items():
-            if not len(data):
-                stats[split] = {"pairs": 0, **{name: 0 for name in PairStatus.NAMES.values()}}
-                continue
-            encoded = data.map(encoder.encode_batch, batched=True, remove_columns=data.column_names, num_proc=num_proc,
-                               desc=f"Tokenizing {split} pairs")
-            statuses = np.asarray(encoded["status"], dtype=np.int64)
-            counts = np.bincount(statuses, minlength=len(PairStatus.NAMES))
-            stats[split] = {"pairs": len(data), **{name: int(counts[c]) for c, name in PairStatus.NAMES.items()}}
-            kept = encoded.select(np.flatnonzero(statuses <= PairStatus.TRUNCATED).tolist())
-            if split == "train" and not len(kept):
-                raise ValueError(f"No preference pair is left to train on: {describe_pairs(stats[split])}."
-                                 f" Raise seq_len={recipe.seq_len}, or check that chosen and rejected differ.")
-            if len(kept):
-                kept.save_to_disk(str(tmp / split))
-        (tmp / "stats.json").write_text(json.dumps({**stats, "recipe": asdict(recipe)}, indent=2))
-        try:
-            os.replace(tmp, root)
-        except OSError:  # another process finished first: theirs is the same
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return root
+    train_source, val_source = train_val_sources(recipe, cache_root / "sources")  # the SFT sets' split, same fields
+    stats: dict[str, Any] = {}
+    for split, data in {"train": train_source, "val": val_source}.items():
+        if not len(data):
+            stats[split] = {"pairs": 0, **{name: 0 for name in PairStatus.NAMES.values()}}
+            continue
+        encoded = data.map(encoder.encode_batch, batched=True, remove_columns=data.column_names, num_proc=num_proc,
+                           desc=f"Tokenizing {split} pairs")
+        statuses = np.asarray(encoded["status"], dtype=np.int64)
+        counts = np.bincount(statuses, minlength=len(PairStatus.NAMES))
+        stats[split] = {"pairs": len(data), **{name: int(counts[c]) for c, name in PairStatus.NAMES.items()}}
+        kept = encoded.select(np.flatnonzero(statuses <= PairStatus.TRUNCATED).tolist())
+        if split == "train" and not len(kept):
+            raise ValueError(f"No preference pair is left to train on: {describe_pairs(stats[split])}."
+                             f" Raise seq_len={recipe.seq_len}, or check that chosen and rejected differ.")
+        if len(kept):
+            kept.save_to_disk(str(tmp / split))
+    (tmp / "stats.json").write_text(json.dumps({**stats, "recipe": asdict(recipe)}, indent=2))
 
 
 def describe_pairs(split_stats: Mapping[str, int]) -> str:
@@ -299,7 +284,7 @@ class PreferenceDataModule(SplitDataModule):
         fmt = detect_preference_format(column_names(path))
         if val_path is not None:
             detect_preference_format(column_names(val_path))
-        _check_model(Path(tokenizer), self.tokenizer, int(seq_len))
+        check_model_fits(Path(tokenizer), self.tokenizer, int(seq_len))
         self.recipe = PairRecipe(str(Path(path).expanduser().resolve()),
                                  str(Path(val_path).expanduser().resolve()) if val_path else None, float(val_fraction),
                                  int(seed), fmt, int(seq_len), chat_template)
@@ -307,7 +292,7 @@ class PreferenceDataModule(SplitDataModule):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.pad_id = int(pad or 0)
         self.batch_size, self.seed, self.num_workers, self.num_proc = batch_size, int(seed), num_workers, num_proc
-        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir().parent / "preference"
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else cache_root("preference")
         self.stats: Optional[dict[str, Any]] = None
         self._root: Optional[Path] = None
         self.prepared_dir: Optional[Path] = None

@@ -17,10 +17,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
-import shutil
 from pathlib import Path
 from typing import Union
+
+from lightning_fsdp import cache
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,6 @@ __all__ = ["GGUFError", "check_gguf", "gguf_cache_dir", "import_gguf", "is_gguf"
 GGUF_MAGIC = b"GGUF"
 #: bump when the conversion's output changes, so caches made by an older version are not reused
 CONVERSION_VERSION = 1
-CACHE_ENV = "LIGHTNING_FSDP_CACHE"
 #: what an installed transformers' GGUF reader lists that is not a model architecture
 _NOT_ARCHITECTURES = {"general", "tokenizer"}
 
@@ -95,13 +94,9 @@ def content_hash(path: Union[str, Path], chunk: int = 1 << 22) -> str:
 
 def gguf_cache_dir(path: Union[str, Path], cache_root: Union[str, Path, None] = None) -> Path:
     """Where ``path``'s conversion lives: ``<cache>/gguf/<stem>-<sha256 prefix>``, shared by every run and rank."""
-    root = Path(cache_root) if cache_root is not None else _default_cache_root()
+    root = Path(cache_root) / "gguf" if cache_root is not None else cache.cache_root("gguf")
     key = content_hash(path)[:20]
-    return root / "gguf" / f"{Path(path).stem}-{key}-v{CONVERSION_VERSION}"
-
-
-def _default_cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lightning_fsdp")
+    return root / f"{Path(path).stem}-{key}-v{CONVERSION_VERSION}"
 
 
 def import_gguf(path: Union[str, Path], dst: Union[str, Path, None] = None, *, force: bool = False) -> Path:
@@ -114,21 +109,7 @@ def import_gguf(path: Union[str, Path], dst: Union[str, Path, None] = None, *, f
         if (target / "config.json").is_file():
             return target
         raise GGUFError(f"{target} exists and is not a converted model directory; choose another destination.")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        _convert(path, staging)
-        if target.exists() and force:
-            shutil.rmtree(target)
-        try:
-            os.replace(staging, target)
-        except OSError:  # another process renamed its conversion into place first: the same content, kept
-            if not (target / "config.json").is_file():
-                raise
-            return target
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    cache.build_once(target, lambda out: _convert(path, out), complete="config.json", force=force)
     log.warning("Converted %s into the Hugging Face directory %s", path, target)
     return target
 
@@ -169,4 +150,4 @@ def resolve_model_source(path: Union[str, Path]) -> Union[str, Path]:
     if not Path(path).is_file():
         check_gguf(path)  # raises with the reason
     stat = Path(path).stat()
-    return str(_resolved(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns, _default_cache_root()))
+    return str(_resolved(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns, cache.cache_root()))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -11,6 +10,7 @@ from typing import Any, Callable, Optional, Union
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_fsdp.cache import cache_root
 from lightning_fsdp.data._loaders import SplitDataModule
 from lightning_fsdp.data.order import GlobalOrderSampler, data_parallel_rank
 from lightning_fsdp.data.sft.encoding import RowEncoder
@@ -21,7 +21,7 @@ from lightning_fsdp.data.sft.source import column_names
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LONG_SAMPLES", "SFTDataModule", "load_tokenizer"]
+__all__ = ["LONG_SAMPLES", "SFTDataModule", "check_model_fits", "check_vocabulary", "load_tokenizer"]
 
 LONG_SAMPLES = ("truncate", "drop", "error")
 
@@ -36,10 +36,6 @@ def load_tokenizer(name_or_dir: Union[str, Path]) -> Any:
             f"Cannot load a tokenizer from {str(name_or_dir)!r} ({err}). Pass tokenizer= a model directory or a"
             " tokenizer directory (tokenizer.json / tokenizer_config.json), e.g. the model's own."
         ) from err
-
-
-def _default_cache_dir() -> Path:
-    return Path(os.environ.get("LIGHTNING_FSDP_CACHE", "~/.cache/lightning_fsdp")).expanduser() / "sft"
 
 
 class SFTDataModule(SplitDataModule):
@@ -103,10 +99,10 @@ class SFTDataModule(SplitDataModule):
                              str(Path(val_path).expanduser().resolve()) if val_path else None, float(val_fraction),
                              int(seed), fmt, train_on, chat_template, int(seq_len), long_samples, bool(packing))
         self.encoder = RowEncoder(self.tokenizer, fmt, train_on, chat_template, int(seq_len), long_samples)
-        _check_model(Path(tokenizer), self.tokenizer, int(seq_len))
+        check_model_fits(Path(tokenizer), self.tokenizer, int(seq_len))
         self.batch_size, self.seed, self.num_workers, self.num_proc = batch_size, int(seed), num_workers, num_proc
         self.seq_len, self.packing = int(seq_len), bool(packing)
-        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else cache_root("sft")
         self.prepared: Optional[PreparedSet] = None
         self._prepared_root: Optional[Path] = None  # known once prepare_data ran here: the files are hashed once
 
@@ -188,7 +184,7 @@ class SFTDataModule(SplitDataModule):
         return str(self.tokenizer.decode(values, skip_special_tokens=True))
 
 
-def _check_model(directory: Path, tokenizer: Any, seq_len: int) -> None:
+def check_model_fits(directory: Path, tokenizer: Any, seq_len: int) -> None:
     """When ``tokenizer`` names a model directory: its vocabulary fits the embedding, ``seq_len`` its positions."""
     config_file = directory.expanduser() / "config.json"
     if not config_file.exists():

@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,12 +20,13 @@ import numpy as np
 
 from lightning_fsdp.data.sft.encoding import RowEncoder, Status
 from lightning_fsdp.data.sft.packing import first_fit_decreasing
-from lightning_fsdp.data.sft.source import content_digest, data_files, load_source
+from lightning_fsdp.cache import build_once
+from lightning_fsdp.data.sft.source import content_digest, data_files, train_val_sources
 from lightning_fsdp.formatting import format_count as count
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PreparedSet", "Recipe", "describe", "prepare", "tokenizer_identity"]
+__all__ = ["PreparedSet", "Recipe", "describe", "prepare", "recipe_key", "tokenizer_identity"]
 
 #: bump when the way rows become tokens changes, so old caches are not reused
 ENCODING_VERSION = 2
@@ -62,10 +61,16 @@ def tokenizer_identity(tokenizer: Any) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
-def cache_key(recipe: Recipe, tokenizer: Any) -> str:
+def recipe_key(recipe: Any, tokenizer: Any, version: int) -> str:
+    """The cache key of a prepared set: the bytes of its files (``recipe.path`` and ``recipe.val_path``), every
+    other field of the recipe (a dataclass), the tokenizer's identity and the encoding's ``version``."""
     files = data_files(recipe.path) + (data_files(recipe.val_path) if recipe.val_path else [])
     return content_digest(files, {"recipe": {**asdict(recipe), "path": None, "val_path": None},
-                                  "tokenizer": tokenizer_identity(tokenizer), "version": ENCODING_VERSION})
+                                  "tokenizer": tokenizer_identity(tokenizer), "version": version})
+
+
+def cache_key(recipe: Recipe, tokenizer: Any) -> str:
+    return recipe_key(recipe, tokenizer, ENCODING_VERSION)
 
 
 @dataclass
@@ -108,51 +113,44 @@ def prepare(recipe: Recipe, encoder: RowEncoder, cache_root: Path, num_proc: Opt
     root = cache_root / f"sft-{cache_key(recipe, encoder.tokenizer)}"
     if (root / "stats.json").exists():
         return root
-    import datasets
-
-    tmp = cache_root / f".{root.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        train_source, val_source = _splits(recipe, cache_root / "sources")
-        stats: dict[str, Any] = {}
-        features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
-                                      "labels": datasets.Sequence(datasets.Value("int32")),
-                                      "length": datasets.Value("int32"), "status": datasets.Value("int8")})
-        for split, source in (("train", train_source), ("val", val_source)):
-            tokenized = source.map(
-                encoder.encode_batch, batched=True, remove_columns=source.column_names, num_proc=num_proc,
-                desc=f"Tokenizing {split}", cache_file_name=str(tmp / f"{split}-all.arrow"), features=features,
-                new_fingerprint=f"{root.name}-{split}-all",
-            ) if len(source) else datasets.Dataset.from_dict({name: [] for name in features}, features=features)
-            statuses = np.asarray(tokenized["status"], dtype=np.int64)
-            kept = tokenized.select(np.flatnonzero(statuses <= Status.TRUNCATED).tolist())
-            counts = np.bincount(statuses, minlength=len(Status.NAMES))
-            stats[split] = {"samples": len(source), "tokens": int(np.asarray(kept["length"]).sum()) if len(kept) else 0,
-                            **{name: int(counts[code]) for code, name in Status.NAMES.items()}}
-            if split == "train" and len(kept) == 0:
-                raise ValueError(f"No training sample is left after filtering: {describe_split(stats[split])}. "
-                                 + _empty_hint(recipe))
-            if len(kept):  # datasets cannot read back an empty saved set; a missing split opens as empty
-                kept.save_to_disk(str(tmp / split))
-            if recipe.packing:
-                bins = first_fit_decreasing(np.asarray(kept["length"]).tolist(), recipe.seq_len) if len(kept) else []
-                _write_bins(tmp / f"{split}_bins.npz", bins)
-                stats[split]["rows"] = len(bins)
-        if len(val_source):
-            val_source.save_to_disk(str(tmp / "val_source"))
-        for leftover in tmp.glob("*-all.arrow"):
-            leftover.unlink()
-        (tmp / "stats.json").write_text(json.dumps({**stats, "recipe": asdict(recipe)}, indent=2))
-        try:
-            os.replace(tmp, root)
-        except OSError:  # another node's process finished first: theirs is the same
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    build_once(root, lambda out: _build(recipe, encoder, cache_root, out, num_proc), complete="stats.json")
     log.info("Prepared %s: %s", root, describe(json.loads((root / "stats.json").read_text())))
     return root
+
+
+def _build(recipe: Recipe, encoder: RowEncoder, cache_root: Path, tmp: Path, num_proc: Optional[int]) -> None:
+    import datasets
+
+    train_source, val_source = train_val_sources(recipe, cache_root / "sources")
+    stats: dict[str, Any] = {}
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                  "labels": datasets.Sequence(datasets.Value("int32")),
+                                  "length": datasets.Value("int32"), "status": datasets.Value("int8")})
+    for split, source in (("train", train_source), ("val", val_source)):
+        tokenized = source.map(
+            encoder.encode_batch, batched=True, remove_columns=source.column_names, num_proc=num_proc,
+            desc=f"Tokenizing {split}", cache_file_name=str(tmp / f"{split}-all.arrow"), features=features,
+            new_fingerprint=f"{tmp.name}-{split}-all",
+        ) if len(source) else datasets.Dataset.from_dict({name: [] for name in features}, features=features)
+        statuses = np.asarray(tokenized["status"], dtype=np.int64)
+        kept = tokenized.select(np.flatnonzero(statuses <= Status.TRUNCATED).tolist())
+        counts = np.bincount(statuses, minlength=len(Status.NAMES))
+        stats[split] = {"samples": len(source), "tokens": int(np.asarray(kept["length"]).sum()) if len(kept) else 0,
+                        **{name: int(counts[code]) for code, name in Status.NAMES.items()}}
+        if split == "train" and len(kept) == 0:
+            raise ValueError(f"No training sample is left after filtering: {describe_split(stats[split])}. "
+                             + _empty_hint(recipe))
+        if len(kept):  # datasets cannot read back an empty saved set; a missing split opens as empty
+            kept.save_to_disk(str(tmp / split))
+        if recipe.packing:
+            bins = first_fit_decreasing(np.asarray(kept["length"]).tolist(), recipe.seq_len) if len(kept) else []
+            _write_bins(tmp / f"{split}_bins.npz", bins)
+            stats[split]["rows"] = len(bins)
+    if len(val_source):
+        val_source.save_to_disk(str(tmp / "val_source"))
+    for leftover in tmp.glob("*-all.arrow"):
+        leftover.unlink()
+    (tmp / "stats.json").write_text(json.dumps({**stats, "recipe": asdict(recipe)}, indent=2))
 
 
 def describe_split(s: dict[str, Any]) -> str:
@@ -165,17 +163,6 @@ def _empty_hint(recipe: Recipe) -> str:
         return f"Raise seq_len={recipe.seq_len} or pass long_samples='truncate'."
     return (f"Check train_on={recipe.train_on!r} against the data (a conversation without an assistant turn has"
             " nothing to train) and format=.")
-
-
-def _splits(recipe: Any, sources_cache: Path) -> tuple[Any, Any]:
-    """(train, val) sources of any recipe with ``path``, ``val_path``, ``val_fraction`` and ``seed`` (SFT and preference)."""
-    source = load_source(recipe.path, sources_cache)
-    if recipe.val_path:
-        return source, load_source(recipe.val_path, sources_cache)
-    if recipe.val_fraction <= 0:
-        return source, source.select([])
-    split = source.train_test_split(test_size=recipe.val_fraction, seed=recipe.seed, shuffle=True)
-    return split["train"], split["test"]
 
 
 def _write_bins(path: Path, bins: Sequence[Sequence[int]]) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
-__all__ = ["BUILDERS", "column_names", "content_digest", "data_files", "load_source"]
+__all__ = ["BUILDERS", "column_names", "content_digest", "data_files", "load_source", "train_val_sources"]
 
 #: file suffix → the ``datasets`` builder that reads it
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
@@ -95,3 +95,15 @@ def content_digest(files: Sequence[Path], extra: Any) -> str:
             for block in iter(lambda: handle.read(1 << 22), b""):
                 digest.update(block)
     return digest.hexdigest()[:20]
+
+
+def train_val_sources(recipe: Any, sources_cache: Path) -> tuple[Any, Any]:
+    """(train, val) sources of any recipe with ``path``, ``val_path``, ``val_fraction`` and ``seed`` (SFT rows,
+    preference pairs, prompts): ``val_path`` when given, else a seeded ``val_fraction`` of ``path``."""
+    source = load_source(recipe.path, sources_cache)
+    if recipe.val_path:
+        return source, load_source(recipe.val_path, sources_cache)
+    if recipe.val_fraction <= 0:
+        return source, source.select([])
+    split = source.train_test_split(test_size=recipe.val_fraction, seed=recipe.seed, shuffle=True)
+    return split["train"], split["test"]
