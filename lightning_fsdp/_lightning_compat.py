@@ -50,6 +50,7 @@ __all__ = [
     "ModuleAssignmentHook",
     "attached_trainer",
     "batches_processed",
+    "checkpoint_every_n_train_steps",
     "give_module_device_mesh",
     "init_dist_connection",
     "metric_states",
@@ -96,6 +97,11 @@ def start_local_ranks(launcher: Any, started: Optional[Callable[[], Any]] = None
 def attached_trainer(module: Optional[pl.LightningModule]) -> Optional[pl.Trainer]:
     """The Trainer ``module`` is attached to, or ``None`` (Lightning's public ``trainer`` property raises then)."""
     return getattr(module, "_trainer", None) if module is not None else None
+
+
+def checkpoint_every_n_train_steps(callback: Any) -> int:
+    """How often a ``ModelCheckpoint`` saves in optimizer steps (0: not by steps); it keeps it private."""
+    return int(getattr(callback, "_every_n_train_steps", 0) or 0)
 
 
 def give_module_device_mesh(module: Optional[pl.LightningModule], mesh: DeviceMesh) -> None:

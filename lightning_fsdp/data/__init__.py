@@ -5,12 +5,14 @@
 - :class:`SFTDataModule`: the user's own fine-tuning data (chat, instruction, prompt/completion or text files)
   with the model's own tokenizer, packed or padded (:mod:`lightning_fsdp.data.sft`).
 - :class:`PreferenceDataModule`: (prompt, chosen, rejected) pairs for DPO and SimPO, in TRL's formats.
+- :class:`PromptDataModule`: prompts (and the columns their rewards read) for GRPO, in TRL's prompt-only format.
 
 Every training loader yields the global order of :mod:`lightning_fsdp.data.order`, and resumes mid-epoch.
 """
 
 from lightning_fsdp.data.order import GlobalOrderLoader, GlobalOrderSampler
 from lightning_fsdp.data.preference import PreferenceDataModule
+from lightning_fsdp.data.prompts import PromptDataModule
 from lightning_fsdp.data.sft import SFTDataModule
 from lightning_fsdp.data.shapes import SHAPES, ShapesDataModule, SyntheticShapes
 from lightning_fsdp.data.text import (
@@ -26,6 +28,7 @@ from lightning_fsdp.data.text import (
 
 __all__ = [
     "PreferenceDataModule",
+    "PromptDataModule",
     "GlobalOrderLoader",
     "GlobalOrderSampler",
     "SFTDataModule",

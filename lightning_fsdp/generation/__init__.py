@@ -10,11 +10,17 @@ from lightning_fsdp.generation.fsdp import (
     reshard_gathered,
     rollout_gathering,
 )
-from lightning_fsdp.generation.sharded import free_device_bytes, generate_on_ranks, resolve_rollout_mode
+from lightning_fsdp.generation.sharded import (
+    check_cache_fits,
+    free_device_bytes,
+    generate_on_ranks,
+    kv_cache_bytes,
+    resolve_rollout_mode,
+)
 from lightning_fsdp.generation.sampling import Sampling, filter_logits, row_generators, row_seed, sample_rows
 
 __all__ = [
-    "ROLLOUT_MODES", "Completions", "Sampling", "choose_rollout_mode", "filter_logits", "free_device_bytes",
-    "fsdp_units", "generate", "generate_on_ranks", "in_root_forward", "reshard_gathered", "resolve_rollout_mode",
+    "ROLLOUT_MODES", "Completions", "Sampling", "check_cache_fits", "choose_rollout_mode", "filter_logits", "free_device_bytes",
+    "fsdp_units", "generate", "generate_on_ranks", "in_root_forward", "kv_cache_bytes", "reshard_gathered", "resolve_rollout_mode",
     "rollout_gathering", "row_generators", "row_seed", "sample_rows",
 ]

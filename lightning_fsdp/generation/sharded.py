@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from lightning_fsdp.generation.sampling import Sampling
 from lightning_fsdp.memory import full_param_bytes
 from lightning_fsdp.parallel.collectives import all_gather_object, is_distributed, rank, world_size
 
-__all__ = ["free_device_bytes", "generate_on_ranks", "resolve_rollout_mode"]
+__all__ = ["check_cache_fits", "free_device_bytes", "generate_on_ranks", "kv_cache_bytes", "resolve_rollout_mode"]
 
 
 def free_device_bytes(device: torch.device) -> Optional[int]:
@@ -30,6 +30,26 @@ def free_device_bytes(device: torch.device) -> Optional[int]:
     except (OSError, StopIteration, ValueError):
         return None
     return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
+def kv_cache_bytes(config: Any, rows: int, tokens: int, element_bytes: int = 4) -> int:
+    """Bytes of a Hugging Face decoder's key/value cache for ``rows`` sequences of ``tokens`` (prompt + completion):
+    keys and values of every layer, ``num_key_value_heads × head_dim`` wide."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(getattr(text, "num_attention_heads"))
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or int(getattr(text, "hidden_size")) // heads)
+    return 2 * int(getattr(text, "num_hidden_layers")) * kv_heads * head_dim * rows * tokens * element_bytes
+
+
+def check_cache_fits(cache_bytes: int, free_bytes: Optional[int], what: str, headroom: float = 0.5) -> None:
+    """A clear error, before any rollout, when ``what``'s key/value cache would not fit beside what is allocated."""
+    if free_bytes is not None and cache_bytes > headroom * free_bytes:
+        raise ValueError(
+            f"The key/value cache of {what} needs {cache_bytes / 2**30:.2f} GiB, more than half of the"
+            f" {free_bytes / 2**30:.2f} GiB this rank has free. Lower max_completion_length, num_generations or"
+            " data.batch_size, or decode fewer rows at once (model.generation_batch_size)."
+        )
 
 
 def resolve_rollout_mode(mode: str, module: nn.Module, device: torch.device) -> str:

@@ -30,7 +30,8 @@ from torch.utils.checkpoint import checkpoint
 from lightning_fsdp.loss.linear_cross_entropy import linear_cross_entropy_sum, plain_linear
 from lightning_fsdp.loss.token_mean import IGNORE_INDEX
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "check_chunk_tokens", "chunked_causal_lm_eval", "chunked_causal_lm_loss"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "check_chunk_tokens", "chunked_causal_lm_eval", "chunked_causal_lm_loss",
+           "token_log_probs"]
 
 #: tokens per chunk unless told otherwise: measured at real vocabularies (benchmarks/loss_chunk.py, 2048 tokens,
 #: fused path): 512 takes 0.83x the whole logits' forward + backward at SmolLM2's 49,152 and 0.94x at Llama 3's 128,256
@@ -101,3 +102,46 @@ def chunked_causal_lm_eval(
         total = total + F.cross_entropy(logits, part, reduction="sum")
         correct = correct + (logits.argmax(-1) == part).sum()
     return total, keep.sum(), correct
+
+
+def _chunk_token_log_probs(head: Head, hidden: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logps = -F.cross_entropy(logits, targets, reduction="none")
+    with torch.no_grad():  # the entropy is only measured
+        log_softmax = logits.log_softmax(-1)
+        entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    return logps, entropy
+
+
+def token_log_probs(
+    hidden: Tensor, head: Head, labels: Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """``(log p, entropy)`` of every labelled token, both ``(rows, T)`` aligned with ``labels`` and 0 where the label
+    is ``-100``: what policy-gradient and preference losses are made of. Position ``t`` of the result is the
+    probability of ``labels[t]`` given the tokens before it (``hidden`` at ``t - 1``); the logits are divided by
+    ``temperature`` first, as the sampler did. The projection runs one chunk of labelled tokens at a time (each
+    chunk recomputed in backward), so the whole logits never exist; the log-probabilities carry the gradient, the
+    entropies do not."""
+    check_chunk_tokens(chunk_tokens)
+    rows, width = labels.shape
+    shifted = labels[:, 1:]
+    keep = shifted != IGNORE_INDEX
+    flat_hidden, targets = hidden[:, :-1][keep], shifted[keep]
+    logps, entropies = [], []
+    for start in range(0, targets.shape[0], chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        if torch.is_grad_enabled():
+            logp, entropy = checkpoint(_chunk_token_log_probs, head, flat_hidden[part], targets[part], temperature,
+                                       use_reentrant=False)
+        else:
+            logp, entropy = _chunk_token_log_probs(head, flat_hidden[part], targets[part], temperature)
+        logps.append(logp)
+        entropies.append(entropy)
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    flat_logps = torch.cat(logps) if logps else empty
+    flat_entropy = torch.cat(entropies) if entropies else empty
+    place = torch.cat([torch.zeros_like(keep[:, :1]), keep], dim=1)
+    dense = torch.zeros(rows, width, dtype=torch.float32, device=labels.device)
+    return dense.masked_scatter(place, flat_logps), dense.masked_scatter(place, flat_entropy.detach())

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_fsdp.loss.chunked import token_log_probs
 from lightning_fsdp.loss.preference import REFERENCE_MODES, sequence_log_probs
 from lightning_fsdp.models.hf_causal_lm import hidden_states_and_head
 
@@ -43,16 +44,25 @@ class ReferenceModel(nn.Module):
         self.model = model
         self.chunk_tokens = chunk_tokens
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> Tensor:
-        hidden, head = hidden_states_and_head(self.model, input_ids, attention_mask=attention_mask)
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor, position_ids: Optional[Tensor] = None,
+                temperature: Optional[float] = None) -> Tensor:
+        """Each row's summed completion log-probability; with ``temperature``, every token's instead (``(rows, T)``,
+        aligned with ``labels``, the logits divided by it first: GRPO's reference)."""
+        extra = {"position_ids": position_ids} if position_ids is not None else {}
+        hidden, head = hidden_states_and_head(self.model, input_ids, attention_mask=attention_mask, **extra)
+        if temperature is not None:
+            return token_log_probs(hidden, head, labels, chunk_tokens=self.chunk_tokens, temperature=temperature)[0]
         return sequence_log_probs(hidden, head, labels, chunk_tokens=self.chunk_tokens)[0]
 
     @torch.no_grad()
-    def score(self, batch: dict[str, Tensor]) -> Tensor:
+    def score(self, batch: dict[str, Tensor], temperature: Optional[float] = None) -> Tensor:
+        """:meth:`forward` of ``batch`` (``input_ids``, ``attention_mask``, ``labels``, optionally ``position_ids``)
+        through the module's own ``__call__`` (its FSDP root hooks), resharded after."""
         from lightning_fsdp.generation import reshard_gathered
 
         try:
-            return self(batch["input_ids"], batch["attention_mask"], batch["labels"])
+            return self(batch["input_ids"], batch["attention_mask"], batch["labels"], batch.get("position_ids"),
+                        temperature)
         finally:
             reshard_gathered(self)  # a forward without backward leaves the root gathered
 

@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("registry", {"registry"}),
     ("trainer pieces", {"trainer"}),  # the Trainer front end's callbacks, plugin, launcher and process hooks
     ("hooks", {"strategy", "fabric"}),  # the Trainer's and Fabric's front ends: neither imports the other
-    ("app", {"cli", "train", "train_config", "models", "data", "commands", "__init__", "__main__"}),
+    ("app", {"cli", "train", "train_config", "models", "data", "commands", "rewards", "callbacks", "__init__",
+             "__main__"}),
 ]
 LAYER_OF = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 
@@ -150,7 +151,8 @@ def _external_imports(path: Path) -> set[str]:
 
 #: where each half of Lightning may be imported (``_lightning_compat.py`` holds the private names of both)
 TRAINER_FRONT_END = {"strategy", "trainer"}
-TRAINER_USERS = TRAINER_FRONT_END | {"registry", "cli", "train", "train_config", "models", "data", "commands", "__init__"}
+TRAINER_USERS = TRAINER_FRONT_END | {"registry", "cli", "train", "train_config", "models", "data", "commands", "callbacks",
+                                     "__init__"}
 FABRIC_FRONT_END = {"fabric"}
 FABRIC_USERS = FABRIC_FRONT_END | {"registry"}
 

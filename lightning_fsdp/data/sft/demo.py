@@ -9,11 +9,11 @@ Hugging Face tokenizer directory.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 from pathlib import Path
 from typing import Any, Callable, Union
+
+from lightning_fsdp.cache import build_once
 
 __all__ = ["CHATML_TEMPLATE", "chat_demo_rows", "train_tokenizer", "write_chat_demo", "write_directory_once"]
 
@@ -74,20 +74,9 @@ def train_tokenizer(texts: list[str], vocab_size: int = 512, chat_template: str 
 
 
 def write_directory_once(root: Path, done: str, fill: Callable[[Path], None]) -> Path:
-    """``root`` as ``fill(staging)`` writes it, unless ``root/done`` exists already: written to a hidden sibling
-    and renamed into place, so a half-written set never looks complete. Returns ``root``."""
-    if (root / done).exists():
-        return root
-    tmp = root.with_name(f".{root.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    fill(tmp)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, root)
-    except OSError:  # written meanwhile by another process
-        shutil.rmtree(tmp, ignore_errors=True)
-    return root
+    """``root`` as ``fill(staging)`` writes it, unless ``root/done`` exists already (:func:`~lightning_fsdp.cache.build_once`:
+    written to a hidden sibling and renamed into place, so a half-written set never looks complete)."""
+    return build_once(root, fill, complete=done)
 
 
 def write_chat_demo(root: Union[str, Path], train: int = 4000, val: int = 200, seed: int = 0) -> Path:
