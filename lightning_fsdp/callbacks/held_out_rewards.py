@@ -36,6 +36,7 @@ class HeldOutRewards(Callback):
                  max_new_tokens: Optional[int] = None) -> None:
         self.count, self.show, self.accuracy_reward, self.max_new_tokens = count, show, accuracy_reward, max_new_tokens
         self.results: dict[str, dict[str, float]] = {}
+        self.completions: dict[str, list[str]] = {}  # "start"/"end" → each held-out prompt's completion
         self._before: list[str] = []
 
     def evaluate(self, trainer: L.Trainer, pl_module: Any) -> Optional[tuple[dict[str, float], list[Any]]]:
@@ -74,6 +75,7 @@ class HeldOutRewards(Callback):
             return []
         metrics, rows = evaluated
         self.results[when] = metrics
+        self.completions[when] = [text for _, _, text in rows]
         for name in ("accuracy", "reward", "mean_length"):
             trainer.callback_metrics[f"held_out_{name}{suffix}"] = torch.tensor(metrics[name])
         if trainer.is_global_zero:
@@ -85,7 +87,8 @@ class HeldOutRewards(Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._before = [text for _, _, text in self._measure(trainer, pl_module, "start", "_at_start")]
+        self._measure(trainer, pl_module, "start", "_at_start")
+        self._before = self.completions.get("start", [])
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -256,7 +256,7 @@ class PromptDataModule(SplitDataModule):
 
         tokenizer = resolve_model_source(tokenizer)
         self.tokenizer = load_tokenizer(tokenizer)
-        check_model_fits(Path(tokenizer), self.tokenizer, int(max_prompt_length))
+        check_model_fits(Path(tokenizer), self.tokenizer, int(max_prompt_length), "max_prompt_length")
         self.recipe = PromptRecipe(str(Path(path).expanduser().resolve()),
                                    str(Path(val_path).expanduser().resolve()) if val_path else None,
                                    float(val_fraction), int(seed), int(max_prompt_length), long_prompts, chat_template)

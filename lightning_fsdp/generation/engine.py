@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -38,13 +38,15 @@ class Completions:
     """What :func:`generate` made: row ``i * repeats + s`` is sample ``s`` of prompt ``i``.
 
     ``ids[r]`` holds the new tokens, ending with the stop token when ``stopped[r]``; a row that is not stopped was
-    cut at ``max_new_tokens`` (truncated).
+    cut at ``max_new_tokens`` (truncated). ``logprobs[r]``: each new token's log-probability under the distribution
+    it was drawn from (the logits at the sampling temperature, before top-k/top-p), as a sampler reports it.
     """
 
     ids: list[list[int]]
     stopped: list[bool]
     steps: int
     seconds: float
+    logprobs: list[list[float]] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -194,19 +196,21 @@ def generate(
         _check_synchronized_batches(len(starts), device)
     started = time.perf_counter()
     ids: list[list[int]] = [[] for _ in range(len(prompts) * repeats)]
+    logprobs: list[list[float]] = [[] for _ in ids]
     stopped = [False] * len(ids)
     steps = 0
     for start in starts:
         chunk = list(range(start, min(start + batch_size, len(prompts))))
         rows = _CachedRows(model, keyword) if keyword is not None else _RecomputedRows(model)
         steps += _decode_batch(rows, [prompts[i] for i in chunk], chunk, sampling, pad_id, repeats, keys, device,
-                               synchronized, ids, stopped, on_tokens)
-    return Completions(ids, stopped, steps, time.perf_counter() - started)
+                               synchronized, ids, logprobs, stopped, on_tokens)
+    return Completions(ids, stopped, steps, time.perf_counter() - started, logprobs)
 
 
 def _decode_batch(
     rows: Any, prompts: list[Sequence[int]], chunk: list[int], sampling: Sampling, pad_id: int, repeats: int,
-    keys: list[int], device: torch.device, synchronized: bool, ids: list[list[int]], stopped: list[bool], on_tokens: Optional[OnTokens],
+    keys: list[int], device: torch.device, synchronized: bool, ids: list[list[int]], logprobs: list[list[float]],
+    stopped: list[bool], on_tokens: Optional[OnTokens],
 ) -> int:
     """Decode one batch of prompts into ``ids``/``stopped`` (rows ``prompt * repeats + sample``); returns the
     number of forward calls."""
@@ -226,11 +230,15 @@ def _decode_batch(
     calls = 1
     for step in range(sampling.max_new_tokens):
         if active:
-            tokens = sample_rows(logits[: len(active)], sampling, [generators[a] for a in active])
+            current = logits[: len(active)]
+            tokens = sample_rows(current, sampling, [generators[a] for a in active])
             finished = torch.isin(tokens, stop).tolist() if len(stop) else [False] * len(active)
+            scale = sampling.temperature if sampling.temperature > 0 else 1.0
+            chosen = (current.float() / scale).log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist()
             token_list = tokens.tolist()
-            for a, token, done in zip(active, token_list, finished):
+            for a, token, done, logp in zip(active, token_list, finished, chosen):
                 ids[out_rows[a]].append(token)
+                logprobs[out_rows[a]].append(logp)
                 stopped[out_rows[a]] = bool(done)
             if on_tokens is not None:
                 on_tokens([out_rows[a] for a in active], token_list)

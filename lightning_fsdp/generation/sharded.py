@@ -92,10 +92,11 @@ def generate_on_ranks(
                             batch_size=batch_size, device=device, synchronized=synchronized)
 
     done = in_root_forward(root, work)
-    local = [(i, done.ids[k], done.stopped[k]) for k, i in enumerate(padded[: len(mine)])]
+    local = [(i, done.ids[k], done.stopped[k], done.logprobs[k]) for k, i in enumerate(padded[: len(mine)])]
     ids: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
     stopped = [False] * len(prompts)
     for part in all_gather_object(local):
-        for i, row, was_stopped in part:
-            ids[i], stopped[i] = row, was_stopped
-    return Completions(ids, stopped, done.steps, done.seconds)
+        for i, row, was_stopped, row_logprobs in part:
+            ids[i], stopped[i], logprobs[i] = row, was_stopped, row_logprobs
+    return Completions(ids, stopped, done.steps, done.seconds, logprobs)

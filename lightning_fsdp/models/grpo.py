@@ -168,6 +168,11 @@ class HFGRPOLM(HFCausalLM):
         rows = h["generation_batch_size"] or data.batch_size * int(h["num_generations"]) * self.trainer.accumulate_grad_batches
         tokens = int(data.max_prompt_length) + int(h["max_completion_length"])
         assert self.model is not None
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        if positions is not None and tokens > int(positions):
+            raise ValueError(f"data.max_prompt_length={data.max_prompt_length} + max_completion_length="
+                             f"{h['max_completion_length']} = {tokens} tokens is more than the model's"
+                             f" max_position_embeddings={positions}: lower one of them.")
         cache = kv_cache_bytes(self.model.config, rows, tokens, torch.get_default_dtype().itemsize)
         check_cache_fits(cache, free_device_bytes(self.trainer.strategy.root_device),
                          f"{rows} completions of up to {tokens} tokens")
@@ -230,7 +235,7 @@ class HFGRPOLM(HFCausalLM):
                               mask_truncated=bool(h["mask_truncated_completions"])).to(device)
             built.append(self._score_part(part))
         metrics = _rollout_metrics(self.rewards, every_score, zero_std, everyone, logged)
-        return Rollout(window_id, built, metrics)
+        return Rollout(window_id, built, metrics, done)
 
     @torch.no_grad()
     def _score_part(self, part: RolloutPart) -> RolloutPart:

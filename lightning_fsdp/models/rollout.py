@@ -53,11 +53,13 @@ class RolloutPart:
 
 @dataclass
 class Rollout:
-    """A window's parts (one per micro-batch), and what the rollout measured."""
+    """A window's parts (one per micro-batch), what the rollout measured, and this rank's completions as sampled
+    (:class:`~lightning_fsdp.generation.Completions`)."""
 
     window_id: Any
     parts: list[RolloutPart]
     metrics: dict[str, float] = field(default_factory=dict)
+    completions: Any = None
 
 
 def build_part(

@@ -49,7 +49,9 @@ class RecordedGRPO(HFGRPOLM):
             for r in range(part.input_ids.shape[0]):
                 row = rows[j * per_part + r // group]
                 ids = part.input_ids[r, width:][part.attention_mask[r, width:].bool()].tolist()
-                local[f"{row['position']}/{r % group}"] = {"ids": ids, "advantage": float(part.advantages[r])}
+                k = (j * per_part + r // group) * group + r % group
+                local[f"{row['position']}/{r % group}"] = {"ids": ids, "advantage": float(part.advantages[r]),
+                                                           "logprobs": rollout.completions.logprobs[k]}
         merged = {}
         for one in all_gather_object(local):
             merged.update(one)
@@ -87,8 +89,9 @@ def main(spec: dict) -> None:
                             batch_size=spec["batch_size"], cache_dir=Path(spec["root_dir"]) / "cache")
     recorder = Recorder()
     callbacks: list[Callback] = [recorder]
+    held_out = HeldOutRewards(count=None, show=0)
     if spec.get("held_out"):
-        callbacks.append(HeldOutRewards(count=None, show=0))
+        callbacks.append(held_out)
     if spec.get("checkpoint_every"):
         callbacks.append(ModelCheckpoint(dirpath=str(Path(spec["root_dir"]) / "ckpt"), save_top_k=-1,
                                          every_n_train_steps=spec["checkpoint_every"], filename="{step}"))
@@ -104,7 +107,8 @@ def main(spec: dict) -> None:
     trainer.fit(model, datamodule=data, ckpt_path=spec.get("ckpt_path"))
     result = {"losses": recorder.losses, "metrics": recorder.metrics, "rollouts": model.__dict__.get("recorded", []),
               "global_step": trainer.global_step, "world_size": trainer.world_size,
-              "held_out": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("held_out")}}
+              "held_out": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("held_out")},
+              "held_out_completions": held_out.completions}
     reference = model.__dict__.get("_reference_copy")
     if reference is not None:
         from torch.distributed.tensor import DTensor
@@ -115,7 +119,15 @@ def main(spec: dict) -> None:
                                "full_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
                                "trainable": any(p.requires_grad for p in reference.parameters()),
                                "checksum": sum(float(t.double().sum()) for t in local)}
-        result["reference"]["checksums"] = all_gather_object(result["reference"]["checksum"])
+        from safetensors.torch import load_file
+
+        files = {}
+        for f in sorted(Path(spec["model_dir"]).glob("*.safetensors")):
+            files.update(load_file(str(f)))
+        full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+                for n, p in reference.model.named_parameters()}
+        result["reference"]["equals_file"] = all(torch.equal(full[n], files[n]) for n in files if n in full) and (
+            len([n for n in files if n in full]) == len(files))
     params = trainable_params(trainer)
     if trainer.is_global_zero:
         out = Path(spec["out"])

@@ -184,8 +184,9 @@ class SFTDataModule(SplitDataModule):
         return str(self.tokenizer.decode(values, skip_special_tokens=True))
 
 
-def check_model_fits(directory: Path, tokenizer: Any, seq_len: int) -> None:
-    """When ``tokenizer`` names a model directory: its vocabulary fits the embedding, ``seq_len`` its positions."""
+def check_model_fits(directory: Path, tokenizer: Any, seq_len: int, name: str = "seq_len") -> None:
+    """When ``tokenizer`` names a model directory: its vocabulary fits the embedding, ``seq_len`` (the setting
+    ``name``) its positions."""
     config_file = directory.expanduser() / "config.json"
     if not config_file.exists():
         return
@@ -196,8 +197,8 @@ def check_model_fits(directory: Path, tokenizer: Any, seq_len: int) -> None:
     check_vocabulary(tokenizer, int(config.get("vocab_size", 0)), str(directory))
     positions = config.get("max_position_embeddings")
     if positions is not None and seq_len > int(positions):
-        raise ValueError(f"seq_len={seq_len} is above the model's max_position_embeddings={positions} ({directory})."
-                         f" Pass seq_len ≤ {positions}.")
+        raise ValueError(f"{name}={seq_len} is above the model's max_position_embeddings={positions} ({directory})."
+                         f" Pass {name} ≤ {positions}.")
 
 
 def check_vocabulary(tokenizer: Any, vocab_size: int, where: str) -> None:
