@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Union
 
 from lightning_fsdp.cache import build_once
 
-__all__ = ["EXPRESSION_FAMILIES", "expression_rows", "write_expression_prompts"]
+__all__ = ["DEMO_FAMILIES", "EXPRESSION_FAMILIES", "expression_rows", "write_expression_prompts"]
 
 WORDS = ("apple", "river", "stone", "tulip", "cloud", "piano", "lemon", "tiger", "ocean", "maple", "cabin", "pixel",
          "robot", "spark", "delta", "honey", "quilt", "zebra", "mango", "olive")
@@ -87,16 +87,26 @@ EXPRESSION_FAMILIES: dict[str, Callable[[random.Random], str]] = {
 }
 
 
+#: the families of the GRPO demo: those SmolLM2-135M-Instruct answers right sometimes, but not always, before
+#: training (greedy and sampled, measured on the model), so its rewards carry signal from the first step
+DEMO_FAMILIES = ("add_digits", "subtract_digits", "multiply", "compare", "not", "bool", "min2", "max2", "float",
+                 "int_digit", "int", "abs", "upper_letter", "type", "gcd", "round")
+
+
 def evaluate(expression: str) -> Any:
     """The value of one of this module's expressions (builtins and ``math`` only)."""
     return eval(expression, {"__builtins__": __builtins__, "math": math})  # noqa: S307 - our own templates only
 
 
-def expression_rows(n: int, seed: int, exclude: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+def expression_rows(n: int, seed: int, exclude: frozenset[str] = frozenset(),
+                    families: Sequence[str] = tuple(EXPRESSION_FAMILIES)) -> list[dict[str, Any]]:
     """``n`` distinct prompts (chat messages) with ``expression``, ``answer`` (the value's repr) and ``family``,
-    the families in turn, none of them in ``exclude``."""
+    the ``families`` in turn, none of them in ``exclude``."""
+    unknown = sorted(set(families) - set(EXPRESSION_FAMILIES))
+    if unknown:
+        raise ValueError(f"unknown expression families {unknown}; known: {sorted(EXPRESSION_FAMILIES)}")
     rng = random.Random(seed)
-    families = list(EXPRESSION_FAMILIES)
+    families = list(families)
     rows: list[dict[str, Any]] = []
     seen = set(exclude)
     attempts = 0
@@ -115,12 +125,14 @@ def expression_rows(n: int, seed: int, exclude: frozenset[str] = frozenset()) ->
     return rows
 
 
-def write_expression_prompts(dir: Union[str, Path], train: int = 600, val: int = 64, seed: int = 0) -> Path:
+def write_expression_prompts(dir: Union[str, Path], train: int = 600, val: int = 64, seed: int = 0,
+                             families: Sequence[str] = DEMO_FAMILIES) -> Path:
     """``dir/train.jsonl`` and ``dir/val.jsonl`` (prompts in TRL's conversational format), written once."""
 
     def fill(tmp: Path) -> None:
-        held_out = expression_rows(val, seed + 1)
-        training = expression_rows(train, seed, exclude=frozenset(r["expression"] for r in held_out))
+        held_out = expression_rows(val, seed + 1, families=families)
+        training = expression_rows(train, seed, exclude=frozenset(r["expression"] for r in held_out),
+                                   families=families)
         for name, rows in (("val", held_out), ("train", training)):
             (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 

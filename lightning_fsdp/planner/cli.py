@@ -15,6 +15,7 @@ from lightning_fsdp.planner.estimate import OPTIMIZER_STATES, PRECISION_BYTES, E
 from lightning_fsdp.planner.geometry import GPTDims, ModelSpec, gpt_model_spec
 from lightning_fsdp.planner.llama import DEFAULT_LORA_TARGETS, llama_dims, llama_model_spec, load_hf_config, with_lora
 from lightning_fsdp.planner.llama import PRESETS as LLAMA_PRESETS
+from lightning_fsdp.planner.rollout import GRPOPlan, RolloutEstimate, grpo_estimate
 from lightning_fsdp.planner.sources import load_config, spec_from_checkpoint, spec_from_config
 from lightning_fsdp.precision import normalize_precision
 
@@ -25,6 +26,25 @@ REFERENCE_NOTES = {
     "adapters_off": "the base with the adapters switched off: no second copy; one more forward per step",
     "precomputed": "log-probabilities scored once before training: no reference model, no extra forward",
 }
+
+
+def format_grpo(rollout: RolloutEstimate, training: Estimate, plan: GRPOPlan, peak: int) -> str:
+    """The rollout's part of a GRPO plan, beside the training table above it."""
+    how = "every unit gathered once" if plan.mode == "gather_once" else "one unit at a time, as training"
+    return "\n".join([
+        "",
+        f"GRPO: {plan.num_generations} completions of ≤ {plan.completion_length} tokens per prompt, prompts ≤"
+        f" {plan.prompt_length} tokens; the table above is the training of those completions",
+        "",
+        "| rollout (rank 0) | bytes | |",
+        "|---|---:|---|",
+        f"| sharded state (+ reference) | {format_bytes(rollout.resident)} | as in training |",
+        f"| parameters decoded with ({plan.mode}) | {format_bytes(rollout.gathered)} | {how} |",
+        f"| key/value cache | {format_bytes(rollout.kv_cache)} | every completion decoded at once, prompt + completion |",
+        f"| one step's logits | {format_bytes(rollout.logits)} | |",
+        f"| **rollout peak** | **{format_bytes(rollout.peak)}** | |",
+        f"| **GRPO step peak** | **{format_bytes(peak)}** | the larger of the rollout and the training ({format_bytes(training.device)}) |",
+    ])
 
 
 def format_estimate(spec: ModelSpec, est: Estimate, v: Optional[Verdict] = None) -> str:
@@ -109,6 +129,11 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --device-memory: the longest sequence (per sample) that fits, by bisection")
     run.add_argument("--reference", choices=sorted(REFERENCE_NOTES),
                      help="DPO's reference model: a frozen sharded copy, the base with LoRA off, or precomputed")
+    grpo = p.add_argument_group("GRPO (--batch-size counts prompts per rank)")
+    grpo.add_argument("--grpo-generations", type=int, help="completions per prompt (num_generations): plan a GRPO step")
+    grpo.add_argument("--completion-length", type=int, default=256, help="max_completion_length")
+    grpo.add_argument("--prompt-length", type=int, default=512, help="max_prompt_length")
+    grpo.add_argument("--rollout-mode", default="gather_once", choices=["gather_once", "stream"])
     run.add_argument("--device-memory", help="per-rank memory to check against, e.g. 80GiB, 24GB, 512MiB")
     run.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="share of device memory kept free")
     run.add_argument("--json", action="store_true", help="print the estimate as JSON")
@@ -219,6 +244,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{spec.name}: the longest sequence that fits {args.device_memory} per rank is"
                   f" {longest if longest else 'none (not even 1 token)'} tokens × batch {options.batch_size}")
             return 0 if longest else 1
+        if args.grpo_generations:
+            return _grpo_main(args, spec, options)
         est = estimate(spec, options)
         v = verdict(spec, options, parse_bytes(args.device_memory), headroom=args.headroom) if args.device_memory else None
     except (ValueError, FileNotFoundError) as err:
@@ -232,6 +259,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         print(format_estimate(spec, est, v))
     return 0 if v is None or v.fits else 1
+
+
+def _grpo_main(args: argparse.Namespace, spec: ModelSpec, options: PlanOptions) -> int:
+    plan = GRPOPlan(args.grpo_generations, args.completion_length, args.prompt_length, args.rollout_mode)
+    training, rollout, peak = grpo_estimate(spec, options, plan)
+    budget = parse_bytes(args.device_memory) if args.device_memory else None
+    fits = budget is None or peak <= budget * (1 - args.headroom)
+    if args.json:
+        out = {"model": spec.name, "numel": spec.numel, "training": training.as_dict(),
+               "rollout": {**asdict(rollout), "peak": rollout.peak, "mode": plan.mode}, "peak": peak}
+        if budget is not None:
+            out["fits"] = fits
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_estimate(spec, training) + format_grpo(rollout, training, plan, peak))
+        if budget is not None:
+            print(f"\nverdict: {'FITS' if fits else 'DOES NOT FIT'} — {format_bytes(peak)} of"
+                  f" {format_bytes(int(budget * (1 - args.headroom)))} usable")
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

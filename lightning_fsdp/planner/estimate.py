@@ -178,7 +178,7 @@ def _quantized_bytes(numel: int) -> int:
     return int(numel * nf4.bytes_per_element()) + NF4_TENSOR_OVERHEAD
 
 
-def _gathered_bytes(params: Sequence[Param], quantized: set[str], compute: int) -> int:
+def gathered_bytes(params: Sequence[Param], quantized: set[str], compute: int) -> int:
     """A unit's parameters while it computes: quantized weights gathered in NF4, the rest in the compute dtype."""
     return sum(_quantized_bytes(p.numel) if p.name in quantized else p.numel * compute for p in params)
 
@@ -212,17 +212,17 @@ def estimate(spec: ModelSpec, options: PlanOptions) -> Estimate:
     params, grads, optimizer = state_bytes(spec, options, rank=0)
     quantized = quantized_params(spec, options)
     full_trainable = sum(p.numel for p in spec.params if p.trainable)
-    unsharded_state = _gathered_bytes(spec.params, quantized, stored) + (
+    unsharded_state = gathered_bytes(spec.params, quantized, stored) + (
         (1 + OPTIMIZER_STATES[options.optimizer]) * full_trainable * stored
     )
 
     gathered = unsharded_grads = comm = dequantized = 0
     if options.strategy == "fsdp":
-        largest = max((_gathered_bytes(u.params, quantized, compute) for u in spec.blocks), default=0)
+        largest = max((gathered_bytes(u.params, quantized, compute) for u in spec.blocks), default=0)
         root_trainable = sum(p.numel for p in spec.root.params if p.trainable)
         largest_trainable = max((sum(p.numel for p in u.params if p.trainable) for u in spec.blocks), default=0)
         # root stays gathered from forward into backward; one unit runs while the next is prefetched
-        gathered = _gathered_bytes(spec.root.params, quantized, compute) + (1 + options.prefetch) * largest
+        gathered = gathered_bytes(spec.root.params, quantized, compute) + (1 + options.prefetch) * largest
         # one quantized weight at a time is dequantized for its matmul (forward, and again in backward)
         largest_quantized = max((p.numel for p in spec.params if p.name in quantized), default=0)
         dequantized = largest_quantized * DEQUANTIZE_BYTES_PER_ELEMENT
@@ -242,7 +242,7 @@ def estimate(spec: ModelSpec, options: PlanOptions) -> Estimate:
         reference = sum(sharded_numel(p.shape, options.shard) * frozen for p in base)
         if options.strategy == "fsdp":  # its root is gathered while it scores, beside the model's
             names = {p.name for p in base}
-            gathered += _gathered_bytes([p for p in spec.root.params if p.name in names], set(), compute)
+            gathered += gathered_bytes([p for p in spec.root.params if p.name in names], set(), compute)
     activations = activation_bytes(spec, options)
     # a one-rank shard group keeps its quantized weights out of FSDP, and so out of its CPU offload
     kept = sum(_quantized_bytes(p.numel) for p in spec.params if p.name in quantized) if options.shard == 1 else 0

@@ -1,7 +1,8 @@
 """Rewards for the expression task (:mod:`lightning_fsdp.data.expressions`): is the stated value the right one?
 
-:func:`stated_value` reads the value a completion states the way a grader of short answers does: the last code span
-that is not the expression itself (``evaluates to `44` ``), else what follows "evaluates to" / "is", else the first
+:func:`stated_value` reads the value a completion states the way a grader of short answers does: what follows
+"evaluates to" (or "returns", "equals", ...) up to the end of that sentence or clause, or the code span right there
+(``evaluates to `44` because ...``); else the first code span that is not the expression itself; else the first
 line. :func:`correct_value` compares it with the ``answer`` column as Python values (``ast.literal_eval``), so
 ``8.0`` matches ``8.0`` but not ``8``, and a string matches with or without its quotes. :func:`concise` rewards
 answering with the value alone, as the prompt asks.
@@ -16,7 +17,8 @@ from typing import Any
 __all__ = ["concise", "correct_value", "is_correct", "stated_value"]
 
 _SPAN = re.compile(r"`+([^`]+)`+")
-_AFTER = re.compile(r"(?:evaluates to|returns|is equal to|equals|result is|is)\s*:?\s*(.+)", re.IGNORECASE)
+_AFTER = re.compile(r"(?:evaluates? to|returns|is equal to|equals|result is|gives)\s*:?\s*(.+)", re.IGNORECASE | re.DOTALL)
+_END = re.compile(r"\n|\s+(?:because|since|as|which)\b|\.(?=\s|$)")
 
 
 def _text(completion: Any) -> str:
@@ -28,13 +30,15 @@ def _text(completion: Any) -> str:
 def stated_value(text: str, expression: str = "") -> str:
     """The value ``text`` states for ``expression`` (see the module docstring)."""
     text = text.strip()
-    spans = [s.strip() for s in _SPAN.findall(text)]
-    spans = [s for s in spans if s.replace(" ", "") != expression.replace(" ", "")]
-    if spans:
-        return spans[-1]
     match = _AFTER.search(text)
-    value = match.group(1) if match else (text.splitlines()[0] if text else "")
-    return value.strip().rstrip(".").strip()
+    if match:
+        tail = match.group(1).strip()
+        span = _SPAN.match(tail)
+        return span.group(1).strip() if span else _END.split(tail)[0].strip().rstrip(",;:").strip()
+    spans = [s.strip() for s in _SPAN.findall(text) if s.strip().replace(" ", "") != expression.replace(" ", "")]
+    if spans:
+        return spans[0]
+    return text.splitlines()[0].strip().rstrip(".").strip() if text else ""
 
 
 def is_correct(stated: str, answer: str) -> bool:

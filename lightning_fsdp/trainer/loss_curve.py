@@ -39,10 +39,12 @@ class LossCurve(Callback):
     Args:
         metrics: logged names to draw, one line each.
         filename: the PNG's name inside the CSV logger's folder.
+        ylabel: what the curves measure (the y axis).
     """
 
-    def __init__(self, metrics: tuple[str, ...] = ("train_loss", "val_loss"), filename: str = "loss_curve.png") -> None:
-        self.metrics, self.filename = tuple(metrics), filename
+    def __init__(self, metrics: tuple[str, ...] = ("train_loss", "val_loss"), filename: str = "loss_curve.png",
+                 ylabel: str = "loss per token") -> None:
+        self.metrics, self.filename, self.ylabel = tuple(metrics), filename, ylabel
         self.path: Optional[Path] = None
 
     @override
@@ -72,11 +74,11 @@ class LossCurve(Callback):
                 steps, values = zip(*points)
                 ax.plot(steps, values, marker="o" if len(points) < 20 else None, label=name)
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss per token")
+        ax.set_ylabel(self.ylabel)
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
         self.path = metrics_csv.with_name(self.filename)
         fig.savefig(self.path, dpi=110)
         plt.close(fig)
-        print(f"Loss curve: {self.path}", flush=True)
+        print(f"Curve of {', '.join(self.metrics)}: {self.path}", flush=True)

@@ -141,6 +141,9 @@ def test_data_options_instantiate_and_load(tmp_path, option):
     elif option == "preference":  # the DPO demo's docstring pairs, through the real model's tokenizer
         cfg = compose(tmp_path, "experiment=dpo", "data.batch_size=2")
         ensure_demo_data(cfg)
+    elif option == "prompts":  # the GRPO demo's expression prompts, through the real model's chat template
+        cfg = compose(tmp_path, "experiment=grpo", "data.batch_size=2")
+        ensure_demo_data(cfg)
     elif "text" in option:
         cfg = compose(tmp_path, f"data={option}", "data.max_bytes=60000")
     else:
@@ -153,6 +156,10 @@ def test_data_options_instantiate_and_load(tmp_path, option):
     batch = next(iter(datamodule.train_dataloader()))
     if option == "preference":  # 2 pairs per rank: the chosen rows, then the rejected ones
         assert set(batch) == {"input_ids", "attention_mask", "labels", "pair_mask"} and batch["input_ids"].shape[0] == 4
+        return
+    if option == "prompts":  # a rollout window: 2 prompts with the columns the reward reads
+        assert batch["part"] == 0 and len(batch["window"]) == 2
+        assert {"answer", "expression"} <= set(batch["window"][0]["columns"])
         return
     if option == "sft":
         assert set(batch) == {"input_ids", "labels", "position_ids"} and batch["input_ids"].shape[1] <= 128

@@ -132,6 +132,8 @@ EXPERIMENTS = {
     "finetune_hf_qlora": ["debug=steps", SMALL_CORPUS, "sample.max_new_tokens=4"],
     "dpo": ["trainer.max_steps=2", "data.batch_size=1", "export.formats=[]", "data.val_path=null",
             "data.val_fraction=0.02"],  # 14 held-out pairs: the evaluation at the start and the end stays short
+    "grpo": ["trainer.max_steps=2", "data.batch_size=1", "model.num_generations=2", "model.max_completion_length=8",
+             "callbacks.held_out_rewards.count=4", "export.formats=[peft]"],
     "finetune_hf_chat": ["debug=steps", "callbacks.held_out_answers.count=2", "callbacks.held_out_answers.max_new_tokens=4",
                          "data.seq_len=128", "sample=null"],
 }
@@ -182,6 +184,13 @@ def test_every_experiment_runs_with_a_debug_override(tmp_path, experiment):
         assert {"held_out_reward_accuracy_at_start", "held_out_reward_accuracy", "train_reward_margin"} <= set(result["metrics"])
         assert result["metrics"]["held_out_reward_margin_at_start"] == 0.0  # new adapters: the policy is the reference
         assert "Held-out pairs at step 0:" in proc.stdout and "Held-out pairs after 2 steps:" in proc.stdout
+    elif experiment == "grpo":  # the real SmolLM2 samples its own answers on the shards; a program checks them
+        assert result["global_step"] == 2 and {"peft"} == set(result["exports"])
+        metrics = result["metrics"]
+        assert {"held_out_accuracy_at_start", "held_out_accuracy", "held_out_reward", "reward",
+                "rewards/correct_value/mean", "completions/mean_length", "rollout/tokens_per_second"} <= set(metrics)
+        assert "Held-out prompts at step 0: accuracy" in proc.stdout and "Held-out prompts after 2 steps" in proc.stdout
+        assert (run_dir / "csv" / "reward_curve.png").is_file()
     elif experiment == "finetune_hf_qlora":
         assert len(result["wrapped_units"]) == 5 and {"hf", "peft"} <= set(result["exports"])
         assert (tmp_path / "outputs" / "pretrained" / "llama_byte_L4_d256_ff768" / "config.json").is_file()
