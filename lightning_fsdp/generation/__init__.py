@@ -4,6 +4,7 @@ rollouts and lm-eval, and the two ways a sharded model's units are gathered for 
 from lightning_fsdp.generation.engine import Completions, generate
 from lightning_fsdp.generation.fsdp import (
     ROLLOUT_MODES,
+    Gathering,
     choose_rollout_mode,
     fsdp_units,
     in_root_forward,
@@ -20,7 +21,7 @@ from lightning_fsdp.generation.sharded import (
 from lightning_fsdp.generation.sampling import Sampling, filter_logits, row_generators, row_seed, sample_rows
 
 __all__ = [
-    "ROLLOUT_MODES", "Completions", "Sampling", "check_cache_fits", "choose_rollout_mode", "filter_logits", "free_device_bytes",
+    "ROLLOUT_MODES", "Completions", "Gathering", "Sampling", "check_cache_fits", "choose_rollout_mode", "filter_logits", "free_device_bytes",
     "fsdp_units", "generate", "generate_on_ranks", "in_root_forward", "kv_cache_bytes", "reshard_gathered", "resolve_rollout_mode",
     "rollout_gathering", "row_generators", "row_seed", "sample_rows",
 ]

@@ -91,5 +91,10 @@ def sample_rows(logits: Tensor, sampling: Sampling, generators: Sequence[torch.G
         logits = logits.index_fill(-1, torch.tensor(sampling.suppress_ids, device=logits.device), float("-inf"))
     if sampling.greedy:
         return logits.argmax(dim=-1)
+    # inverse-CDF sampling: one uniform draw per row from its own generator, then one batched search (a multinomial
+    # per row took 1.5 ms each at a 49k vocabulary, 8% of a decoding step of 8 rows)
     probs = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p).softmax(dim=-1)
-    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
+    cdf = probs.cumsum(dim=-1)
+    draws = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators]).to(cdf.device)
+    tokens = torch.searchsorted(cdf, (draws * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    return tokens.clamp(max=logits.shape[-1] - 1)

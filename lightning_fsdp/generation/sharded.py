@@ -87,9 +87,9 @@ def generate_on_ranks(
     resolved = resolve_rollout_mode(mode, root, device)
 
     def work() -> Completions:
-        with rollout_gathering(root, resolved) as synchronized:
+        with rollout_gathering(root, resolved) as gathering:
             return generate(model, [prompts[i] for i in padded], sampling, pad_id=pad_id, keys=padded,
-                            batch_size=batch_size, device=device, synchronized=synchronized)
+                            batch_size=batch_size, device=device, synchronized=gathering.synchronized)
 
     done = in_root_forward(root, work)
     local = [(i, done.ids[k], done.stopped[k], done.logprobs[k]) for k, i in enumerate(padded[: len(mine)])]

@@ -210,10 +210,10 @@ class HFGRPOLM(HFCausalLM):
         assert model is not None
 
         def sample() -> Any:
-            with rollout_gathering(self, mode) as synchronized:
+            with rollout_gathering(self, mode) as gathering:
                 return generate(model, prompts, self.sampling(self.stop_ids()), pad_id=data.pad_id, repeats=group,
                                 keys=[row["position"] for row in rows], batch_size=per_batch, device=device,
-                                synchronized=synchronized)
+                                synchronized=gathering.synchronized)
 
         done = in_root_forward(self, sample)
         texts = [data.decode(ids) for ids in done.ids]

