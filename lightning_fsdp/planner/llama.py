@@ -119,17 +119,33 @@ def llama_activation_bytes(
     per-head log-sum-exp). Activation checkpointing keeps each block's input and recomputes one block at a time.
     Outside the blocks: the embedding output, the final norm, and the logits (compute dtype + an fp32 copy,
     log-softmax and its gradient): of every token, or with ``loss_chunk`` of one chunk at a time (the chunked loss
-    keeps the trained positions' hidden states instead, ``d`` more per token).
+    keeps the trained positions' hidden states instead, ``d`` more per token). With LoRA on a frozen base, fewer
+    (:func:`lora_block_elements`).
     """
     s = seq_len or dims.seq_len
     tokens = batch_size * s
     d, kv, ff, p = dims.d_model, dims.kv_dim, dims.d_ff, compute_bytes
     q = dims.n_head * dims.head_size
-    elements = 5 * d + 3 * q + 3 * kv + 4 * ff
+    elements = 5 * d + 3 * q + 3 * kv + 4 * ff if dims.lora is None else lora_block_elements(dims)
     stats = 2 * 4 + dims.n_head * 4
     per_layer = elements * p + stats
     blocks = dims.n_layer * d * p + per_layer if activation_checkpointing else dims.n_layer * per_layer
     return int(tokens * (blocks + 2 * d * p) + loss_bytes(dims.vocab_size, d, p, tokens, loss_chunk))
+
+
+def lora_block_elements(dims: LlamaDims) -> int:
+    """Per token and layer, the elements autograd keeps for a frozen base with LoRA (counted with saved-tensor hooks
+    on transformers' Llama): a frozen projection keeps nothing for its own backward, so what stays is the two
+    residual-stream inputs of the norms (2d), a normed input wherever an adapter reads it (d each for q/k/v and for
+    gate/up), attention's q, k, v and output (2q + 2kv), the MLP's gate, SiLU and up (3ff, and the product ff when
+    down_proj has an adapter), and each adapter's rank-``r`` activation."""
+    assert dims.lora is not None
+    d, kv, ff, q = dims.d_model, dims.kv_dim, dims.d_ff, dims.n_head * dims.head_size
+    targets = set(dims.lora.targets)
+    read = d * bool(targets & {"q_proj", "k_proj", "v_proj"}) + d * bool(targets & {"gate_proj", "up_proj"})
+    adapters = sum(1 for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+                   if name in targets)
+    return 2 * d + read + 2 * q + 2 * kv + 3 * ff + ff * ("down_proj" in targets) + dims.lora.rank * adapters
 
 
 def with_lora(dims: LlamaDims, rank: Optional[int], targets: Optional[Sequence[str]]) -> LlamaDims:
