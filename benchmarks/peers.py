@@ -348,7 +348,7 @@ def _median(runs: list[dict[str, Any]], key: str) -> float:
 
 def report(results: list[dict[str, Any]], settings: dict[str, Any]) -> str:
     lines = [
-        "# The main job against TRL's SFTTrainer on accelerate's FSDP2",
+        "# lightning_fsdp against TRL (SFTTrainer, GRPOTrainer) on accelerate's FSDP2",
         "",
         f"Settings: {settings['model']}, {settings['world']} CPU processes, fp32, {settings['rounds']} interleaved"
         f" rounds, {settings['warmup']} warm-up + {settings['steps'] - settings['warmup']} measured steps per run;"

@@ -44,6 +44,9 @@ def test_wheel_ships_configs_and_entry_points(installed):
     packages = {str(p.parent.relative_to(REPO)) for p in (REPO / "lightning_fsdp").rglob("__init__.py")}
     shipped = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
     assert packages <= shipped, f"missing from [tool.setuptools] packages: {sorted(packages - shipped)}"
+    # every config group's YAML ships too (a group folder left out of the list ships nothing)
+    yamls = {"lightning_fsdp/" + str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.yaml")}
+    assert yamls <= set(names), f"config files missing from the wheel: {sorted(yamls - set(names))}"
 
 
 def test_tools_discover_strategies_without_knowing_the_module(installed, tmp_path):
