@@ -7,9 +7,6 @@ a run.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -126,89 +123,6 @@ def _high_water_rss() -> int:
 
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # bytes on macOS, KiB on Linux
-
-
-@functools.lru_cache(maxsize=None)
-def _glibc(name: str, argtypes: tuple[type, ...]) -> Optional[Callable[..., int]]:
-    """A glibc allocator function, or None where the C library has none (musl, macOS, Windows)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        function = getattr(libc, name)
-    except (OSError, AttributeError):
-        return None
-    function.argtypes, function.restype = list(argtypes), ctypes.c_int
-    return function
-
-
-def release_freed_host_memory() -> bool:
-    """Return the host heap's free pages to the OS (glibc ``malloc_trim(0)``); False where unsupported.
-
-    glibc keeps memory that tensors below its mmap threshold (which it raises as large blocks are freed) gave back,
-    so a CPU training process grows step after step with pages holding nothing: +1.1 GiB per rank over 4 steps of a
-    135M-parameter full fine-tune at 2 ranks. Called after each optimizer step, RSS at the start of a step equals
-    the live state, for about 0.1 s on a 3 GiB heap.
-    """
-    trim = _glibc("malloc_trim", (ctypes.c_size_t,))
-    if trim is None:
-        return False
-    trim(0)
-    return True
-
-
-class HeapTrimAfterGrowth:
-    """Trim the host heap after an optimizer step (:func:`release_freed_host_memory`) only once this process's RSS
-    has grown ``slack`` bytes past where the first step left it.
-
-    Every page a trim returns that the next step needs again is faulted in and zeroed again: trimming after every
-    step cost a full fine-tune of SmolLM2 at 2 CPU ranks 0.5 s of its 6 s step. Where the heap does not grow (FSDP's
-    buffers handed on, large blocks mapped), RSS creeps by ~12 MiB a step, so a trim comes about every 20 steps;
-    where it does (LoRA, trim-only: ~0.2 GiB a step otherwise), after nearly every step, as before.
-    """
-
-    def __init__(self, slack: int = 256 * 1024 * 1024) -> None:
-        self.slack = slack
-        self.ceiling: Optional[int] = None
-        self.trims = 0
-
-    def after_step(self) -> bool:
-        """Called after each optimizer step; whether it trimmed."""
-        rss = current_rss()
-        if self.ceiling is None:
-            self.ceiling = rss + self.slack
-        if rss <= self.ceiling or not release_freed_host_memory():
-            return False
-        self.trims += 1
-        return True
-
-
-LARGE_HOST_BLOCK_BYTES = 4 * 1024 * 1024
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-
-
-def map_large_host_blocks(threshold: int = LARGE_HOST_BLOCK_BYTES) -> bool:
-    """Give every host block of ``threshold`` bytes or more its own mapping, returned to the OS as soon as it is freed
-    (glibc ``mallopt(M_MMAP_THRESHOLD)``); False where unsupported or where the environment already sets it.
-
-    glibc raises its mmap threshold up to 32 MiB as large blocks are freed, so after the first step FSDP's per-unit
-    buffers (gathered parameters, gradients to reduce-scatter: a few MiB to tens of MiB) come from the heap, where a
-    full fine-tune's new gradient shards, kept until the optimizer step, land between a step's short-lived blocks:
-    rank 0 of a 135M-parameter full fine-tune at 2 ranks peaked at 3.4 GiB for about 2.7 GiB live. A fixed 4 MiB
-    threshold brings that peak to 2.9 GiB at the same step time (1 MiB: 2.8 GiB, more page faults; 16 MiB: no
-    gain). ``MALLOC_MMAP_THRESHOLD_`` or a ``glibc.malloc.mmap_threshold`` tunable in the environment wins.
-    """
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
-        return False
-    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int))
-    return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, int(threshold)) == 1
-
-
-def trains_most_weights(model: nn.Module) -> bool:
-    """Whether most parameters (by count) are trained: a full fine-tune, where each step's gradient shards fragment
-    the host heap, not adapters on a frozen base, where mapping FSDP's gathered parameters on their own would only
-    add page faults (LoRA at 2 ranks: ~10 % slower steps, for a peak already 0.8x TRL's)."""
-    params = _unique(model.parameters())
-    trained = sum(p.numel() for p in params if p.requires_grad)
-    return 2 * trained > sum(p.numel() for p in params)
 
 
 def reset_peak_rss() -> bool:

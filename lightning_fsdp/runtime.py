@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -33,7 +33,7 @@ from lightning_fsdp.checkpoint.checkpointer import Checkpointer
 from lightning_fsdp.fixes import FixWording, worded_for
 from lightning_fsdp.hf import resolve_base
 from lightning_fsdp.hf.info import annotate_checkpoint
-from lightning_fsdp.memory import HeapTrimAfterGrowth
+from lightning_fsdp.host_heap import HostHeapPolicy
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.parallel.grad_norm import StepGradNorm
@@ -41,6 +41,7 @@ from lightning_fsdp.preparation import Preparation, Prepared, prepare_model
 from lightning_fsdp.resilience import Resilience
 from lightning_fsdp.sharding import ShardingPlan, WrapPolicy
 from lightning_fsdp.sharding.compile import CompileArg
+from lightning_fsdp.sharding.materialize import parameters_on_meta
 from lightning_fsdp.sharding.quantize import QuantizedBase
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class ShardedRuntime:
         async_save: bool = False,
         verify_before_load: bool = False,
         wording: FixWording = FixWording(),
+        release_host_memory: Optional[bool] = None,
     ) -> None:
         #: how the front end's users are told what to change (its settings' names), in every error from below
         self.wording = wording
@@ -106,8 +108,8 @@ class ShardedRuntime:
         self.mesh_shape: Optional[mesh_utils.MeshShape] = None
         #: what the last :meth:`prepare` did: FSDP units, the safetensors base it loaded, the weights held in NF4
         self.prepared = Prepared()
-        #: the host heap handed back after a step once it grew (the Trainer front end's ``release_host_memory``)
-        self.heap_trim = HeapTrimAfterGrowth()
+        #: the host heap handed back after a step once it grew, large blocks mapped on their own
+        self.host_heap = HostHeapPolicy(release_host_memory)
 
     # -- processes -----------------------------------------------------------------------------------------------------
     def join(
@@ -281,3 +283,27 @@ class RuntimeHolder:
     @property
     def checkpointer(self) -> Checkpointer:
         return self.runtime.checkpointer
+
+    @property
+    def releases_host_memory(self) -> bool:
+        """Whether each optimizer step ends by returning the host heap's free pages (``release_host_memory``)."""
+        return self.runtime.host_heap.applies(self._params_on_host)
+
+    @property
+    def _params_on_host(self) -> bool:
+        return self.cpu_offload or self.root_device.type == "cpu"  # type: ignore[attr-defined]
+
+    def _fsdp_precision(self) -> Any:
+        """The front end's FSDP2 precision plugin (``convert_module``, ``mp_policy``)."""
+        raise NotImplementedError
+
+    def prepare_frozen_model(self, build: Callable[[], nn.Module], pretrained_weights: Union[str, Path]) -> nn.Module:
+        """A frozen model beside the trained one (a DPO or GRPO reference): ``build()`` runs on the meta device, and
+        the module is sharded like the trained one, 1/N per rank, loaded from ``pretrained_weights`` straight into
+        each rank's shards (every rank calls this, after setup)."""
+        with parameters_on_meta():
+            module = build()
+        precision = self._fsdp_precision()
+        module = precision.convert_module(module)
+        return self.runtime.prepare_frozen(module, self.model_options(), precision.mp_policy, self.root_device,  # type: ignore[attr-defined]
+                                           pretrained_weights)

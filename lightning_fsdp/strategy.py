@@ -128,7 +128,8 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         self.mixed_precision = mixed_precision  # read by the precision_plugin setter during super().__init__
         self.runtime = ShardedRuntime(process_group.as_timedelta(timeout), skip_nonfinite_steps=skip_nonfinite_steps,
                                       max_nonfinite_steps=max_nonfinite_steps, async_save=bool(async_save),
-                                      verify_before_load=bool(verify_before_load), wording=TRAINER_WORDING)
+                                      verify_before_load=bool(verify_before_load), wording=TRAINER_WORDING,
+                                      release_host_memory=release_host_memory)
         super().__init__(
             self.runtime,
             replicate_size=replicate_size,
@@ -225,12 +226,9 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         return self.runtime.prepare(model, self.model_options(), self.precision_plugin.mp_policy, self.root_device,
                                     self.lightning_module.strict_loading, owner=type(self).__name__)
 
-    def prepare_frozen_model(self, module: torch.nn.Module, pretrained_weights: compat.PATH) -> torch.nn.Module:
-        """A frozen model beside the trained one (DPO's reference), sharded like it, 1/N per rank, loaded from
-        ``pretrained_weights`` into each rank's shards (every rank calls this, after setup)."""
-        module = self.precision_plugin.convert_module(module)
-        return self.runtime.prepare_frozen(module, self.model_options(), self.precision_plugin.mp_policy,
-                                           self.root_device, pretrained_weights)
+    @override
+    def _fsdp_precision(self) -> FSDP2Precision:
+        return self.precision_plugin
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -309,21 +307,14 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         )
         with self.runtime.grad_norm.step():
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.releases_host_memory:
-            self.runtime.heap_trim.after_step()
+        self.runtime.host_heap.step_done(self._params_on_host)
         return result
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self.releases_host_memory and self.model is not None and host_memory.trains_most_weights(self.model):
-            host_memory.map_large_host_blocks()  # every step from here: FSDP's per-unit buffers, gradient shards
-
-    @property
-    def releases_host_memory(self) -> bool:
-        """Whether each optimizer step ends by returning the host heap's free pages (``release_host_memory``)."""
-        explicit = self.release_host_memory
-        return bool(explicit) if explicit is not None else self.cpu_offload or self.root_device.type == "cpu"
+        if self.model is not None:
+            self.runtime.host_heap.training_starts(self.model, self._params_on_host)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
     @property

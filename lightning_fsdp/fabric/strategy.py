@@ -86,7 +86,7 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
 
     Takes the Trainer strategy's model arguments (``auto_wrap_policy``, ``activation_checkpointing_policy``,
     ``mixed_precision``, ``cpu_offload``, ``reshard_after_forward``, ``replicate_size``/``shard_size`` for HSDP,
-    ``pretrained_weights``/``pretrained_key_map``, ``compile``, ``quantize_base``; see
+    ``pretrained_weights``/``pretrained_key_map``, ``compile``, ``quantize_base``, ``release_host_memory``; see
     :class:`~lightning_fsdp.FSDPCustomStrategy`). Checkpoints are always sharded directories.
     """
 
@@ -111,6 +111,7 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
         pretrained_key_map: Optional[dict[str, str]] = None,
         compile: CompileArg = False,
         quantize_base: Optional[str] = None,
+        release_host_memory: Optional[bool] = None,
     ) -> None:
         mesh_utils.check_size("replicate_size", replicate_size)
         mesh_utils.check_size("shard_size", shard_size)
@@ -134,7 +135,9 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
         self.pretrained_key_map = dict(pretrained_key_map) if pretrained_key_map else None
         self.model_options()  # invalid policies fail now, before any process starts
         self.num_nodes = 1
-        self.runtime = ShardedRuntime(process_group.as_timedelta(timeout), wording=FABRIC_WORDING)
+        self.release_host_memory = release_host_memory
+        self.runtime = ShardedRuntime(process_group.as_timedelta(timeout), wording=FABRIC_WORDING,
+                                      release_host_memory=release_host_memory)
         #: failures between ranks, as under the Trainer: the relay, preemption signals, named collective timeouts
         self.resilience = self.runtime.resilience
         self._process_group_backend = process_group_backend
@@ -153,6 +156,10 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
     def precision(self, precision: Optional[Precision]) -> None:
         """Fabric hands unknown strategies its generic plugin for ``precision=``; ours maps it onto FSDP2."""
         self._precision = FSDP2FabricPrecision.adopt(precision, self.mixed_precision, owner=type(self).__name__)
+
+    @override
+    def _fsdp_precision(self) -> FSDP2FabricPrecision:
+        return self.precision
 
     # -- processes and mesh --------------------------------------------------------------------------------------------
     @override
@@ -194,8 +201,10 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
     @override
     def setup_module(self, module: Module) -> Module:
         # Fabric has converted the module's dtype already (`precision.convert_module`, before every setup)
-        return self.runtime.prepare(module, self.model_options(), self.precision.mp_policy, self.root_device,
-                                    strict=True, owner=type(self).__name__)
+        module = self.runtime.prepare(module, self.model_options(), self.precision.mp_policy, self.root_device,
+                                      strict=True, owner=type(self).__name__)
+        self.runtime.host_heap.training_starts(module, self._params_on_host)
+        return module
 
     @override
     def setup_module_and_optimizers(
@@ -230,6 +239,12 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
                 " cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
             )
         return total
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, **kwargs)
+        self.runtime.host_heap.step_done(self._params_on_host)
+        return result
 
     # -- collectives -------------------------------------------------------------------------------------------------
     @override

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -67,19 +67,31 @@ class ReferenceModel(nn.Module):
             reshard_gathered(self)  # a forward without backward leaves the root gathered
 
 
+@runtime_checkable
+class ShardsFrozenModels(Protocol):
+    """A strategy that shards a frozen model beside the trained one: both of this package's front ends (the
+    Trainer's and Fabric's strategies, through their shared runtime)."""
+
+    root_device: torch.device
+
+    def prepare_frozen_model(self, build: Callable[[], nn.Module], pretrained_weights: Union[str, Path]) -> nn.Module:
+        ...
+
+
 def frozen_copy(model_dir: Union[str, Path], chunk_tokens: int, strategy: Any) -> ReferenceModel:
-    """The reference as a frozen copy of ``model_dir``: built on the meta device and sharded by a strategy that can
-    (``prepare_frozen_model``: each rank allocates and reads only its shards), else loaded whole on its device."""
+    """The reference as a frozen copy of ``model_dir``: built on the meta device and sharded by a strategy that
+    can (each rank allocates and reads only its shards), else, in one process or under another strategy, loaded
+    whole on its device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    prepare = getattr(strategy, "prepare_frozen_model", None)
-    if prepare is None:
+    if not isinstance(strategy, ShardsFrozenModels):
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.get_default_dtype())
-        reference = ReferenceModel(model, chunk_tokens).to(strategy.root_device).requires_grad_(False)
-    else:
-        with strategy.tensor_init_context(empty_init=True):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
-        reference = prepare(ReferenceModel(model, chunk_tokens), model_dir)
+        return ReferenceModel(model, chunk_tokens).to(strategy.root_device).requires_grad_(False).eval()
+    config = AutoConfig.from_pretrained(str(model_dir))
+    reference = strategy.prepare_frozen_model(
+        lambda: ReferenceModel(AutoModelForCausalLM.from_config(config), chunk_tokens), model_dir
+    )
+    assert isinstance(reference, ReferenceModel)
     return reference.eval()
 
 

@@ -73,7 +73,7 @@ def two_ranks(model_files, tmp_path_factory) -> dict[str, Any]:
         {"name": "straight", "save_at": 2, "save": checkpoint, "average": 0.5},
         {"name": "resumed", "joint_setup": True, "resume": checkpoint, "damaged": checkpoint},
         {"name": "accumulated", "accumulate": 2},
-        {"name": "from_hf_dir", "raw": model_files["model_dir"]},
+        {"name": "from_hf_dir", "raw": model_files["model_dir"], "frozen_copy": True},
         {"name": "preempted", "signal_rank": 1, "signal_at": 1, "save": str(root / "ckpt" / "preempted.ckpt")},
     ]
     results = fabric_job({**BASE, **model_files, "devices": 2, "strategy": "fsdp_custom", "runs": runs}, root, "two")
@@ -117,6 +117,15 @@ def test_resume_with_fabric_load_equals_the_uninterrupted_run(two_ranks):
     for key, value in straight["params"].items():
         torch.testing.assert_close(resumed["params"][key], value)
     assert resumed["remainder"] == ["note"]  # what `state` did not ask for comes back; our own entries do not
+
+
+def test_a_frozen_copy_reads_only_each_ranks_shards(two_ranks):
+    """DPO's and GRPO's ``reference="copy"`` through ``fabric.strategy``: sharded like the model (each rank holds
+    half the file's bytes, not the whole model as a plain load would), frozen, and equal to the files."""
+    held = two_ranks["from_hf_dir"]["frozen_copy"]
+    assert held["equals_files"] and not held["trainable"]
+    assert all(b <= held["full_bytes"] / 2 * 1.05 for b in held["local_bytes"]), held
+    assert sum(held["local_bytes"]) >= held["full_bytes"]
 
 
 def test_no_backward_sync_accumulates_without_reduce_scatter(two_ranks, reference):

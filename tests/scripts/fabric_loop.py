@@ -132,9 +132,32 @@ def one_run(fabric: L.Fabric, spec: dict[str, Any], run: dict[str, Any], counter
         if average is not None:
             torch.save(averaged, path.with_suffix(".average.pt"))
             result["average_path"] = str(path.with_suffix(".average.pt"))
+    if run.get("frozen_copy"):  # DPO's/GRPO's reference=copy under Fabric: sharded beside the model, 1/N per rank
+        result["frozen_copy"] = frozen_copy_held(fabric, spec["model_dir"], sharded)
     if run.get("damaged"):  # last: a refused load may have restored some entries already
         result["refusals"] = refusal(fabric, run["damaged"], model, optimizer)
     return result
+
+
+def frozen_copy_held(fabric: L.Fabric, model_dir: str, sharded: bool) -> dict[str, Any]:
+    """What each rank holds of a frozen copy of ``model_dir`` built through ``fabric.strategy``, and whether the
+    gathered copy equals the directory's safetensors files."""
+    from safetensors.torch import load_file
+
+    from lightning_fsdp.models.reference import frozen_copy
+
+    reference = frozen_copy(model_dir, 64, fabric.strategy)
+    files = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        files.update(load_file(path))
+    gathered = {k.removeprefix("model."): v for k, v in (full_state(reference) if sharded else plain_state(reference)).items()}
+    equal = fabric.global_rank != 0 or all(torch.equal(gathered[k], v.float()) for k, v in files.items())  # rank 0 gathers
+    return {
+        "local_bytes": fabric.all_gather(torch.tensor(local_bytes(reference))).flatten().tolist(),
+        "full_bytes": sum(v.numel() * v.element_size() for v in files.values()),
+        "trainable": any(p.requires_grad for p in reference.parameters()),
+        "equals_files": equal and len(files) > 5,
+    }
 
 
 def refusal(fabric: L.Fabric, source: str, model: Any, optimizer: Any) -> list[str]:

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("loss", {"loss"}),  # the token-weighted loss: any module, either front end
     ("sharding", {"sharding"}),
     ("memory", {"memory"}),
+    ("host heap", {"host_heap"}),  # the heap policy both front ends apply (release_host_memory)
     ("generation", {"generation"}),  # decoding on sharded models: held-out answers, chat, rollouts, lm-eval
     ("checkpoint", {"checkpoint"}),
     ("resilience", {"resilience"}),

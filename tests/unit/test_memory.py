@@ -138,7 +138,8 @@ def test_memory_report_in_a_single_process_trainer(tmp_path, capsys):
 _TRIM_PROBE = r"""
 import json
 import os
-from lightning_fsdp.memory import current_rss, release_freed_host_memory
+from lightning_fsdp.host_heap import release_freed_host_memory
+from lightning_fsdp.memory import current_rss
 blocks = [bytearray(100 * 1024) for _ in range(2000)]  # 200 MB in heap-sized blocks (below glibc's mmap threshold)
 pin = bytearray(100 * 1024)  # above them: the heap cannot shrink from its top when they are freed
 del blocks
@@ -160,7 +161,8 @@ def test_freed_heap_pages_go_back_to_the_os():
 
 _MAP_PROBE = r"""
 import json, sys
-from lightning_fsdp.memory import current_rss, map_large_host_blocks
+from lightning_fsdp.host_heap import map_large_host_blocks
+from lightning_fsdp.memory import current_rss
 mapped = map_large_host_blocks() if sys.argv[1] == "map" else None
 warm = bytearray(24 * 1024 * 1024)
 del warm  # glibc raises its dynamic mmap threshold to 24 MiB: 8 MiB blocks would now come from the heap
@@ -191,7 +193,7 @@ def test_large_host_blocks_go_back_to_the_os_when_freed(how):
 
 
 def test_an_mmap_threshold_in_the_environment_wins(monkeypatch):
-    from lightning_fsdp.memory import map_large_host_blocks
+    from lightning_fsdp.host_heap import map_large_host_blocks
 
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert map_large_host_blocks() is False
@@ -200,17 +202,19 @@ def test_an_mmap_threshold_in_the_environment_wins(monkeypatch):
     assert map_large_host_blocks() is False
 
 
-def test_the_strategy_releases_host_memory_on_cpu_or_offload_unless_told():
-    from lightning_fsdp import FSDPCustomStrategy
+@pytest.mark.parametrize("front_end", ["FSDPCustomStrategy", "FSDPCustomFabricStrategy"])
+def test_either_front_end_releases_host_memory_on_cpu_or_offload_unless_told(front_end):
+    import lightning_fsdp
 
-    assert FSDPCustomStrategy(cpu_offload=True).releases_host_memory
-    assert not FSDPCustomStrategy(cpu_offload=True, release_host_memory=False).releases_host_memory
-    assert FSDPCustomStrategy(parallel_devices=[torch.device("cpu")]).releases_host_memory
-    assert FSDPCustomStrategy(parallel_devices=[torch.device("cpu")], release_host_memory=True).releases_host_memory
+    strategy = getattr(lightning_fsdp, front_end)
+    assert strategy(cpu_offload=True).releases_host_memory
+    assert not strategy(cpu_offload=True, release_host_memory=False).releases_host_memory
+    assert strategy(parallel_devices=[torch.device("cpu")]).releases_host_memory
+    assert strategy(parallel_devices=[torch.device("cpu")], release_host_memory=True).releases_host_memory
 
 
 def test_only_a_run_that_trains_most_weights_counts_as_a_full_fine_tune():
-    from lightning_fsdp.memory import trains_most_weights
+    from lightning_fsdp.host_heap import trains_most_weights
 
     base = nn.Linear(64, 64)  # 4160 weights
     adapter = nn.Linear(64, 4)  # 260: LoRA-like, on a frozen base
@@ -226,7 +230,7 @@ def test_only_a_run_that_trains_most_weights_counts_as_a_full_fine_tune():
 
 
 def test_the_heap_is_trimmed_only_once_rss_grew_past_the_first_steps_by_the_slack(monkeypatch):
-    from lightning_fsdp import memory
+    from lightning_fsdp import host_heap as memory
 
     rss = iter([1000, 1100, 1200, 1201, 900, 1150, 1250])
     trimmed: list[int] = []
