@@ -23,7 +23,7 @@ from lightning_fsdp.registry import (
 )
 from lightning_fsdp.resilience import PREEMPTED_EXIT_CODE, preemption_requested
 from lightning_fsdp.sharding import find_repeated_block_classes, select_units
-from lightning_fsdp.strategy import FSDPCustomStrategy
+from lightning_fsdp.trainer.strategy import FSDPCustomStrategy
 from lightning_fsdp.trainer import FSDP2Precision, MemoryReport, SafeOnExceptionCheckpoint, ShardedEMA
 
 __all__ = [

@@ -36,7 +36,7 @@ class StrategySpec:
         )
 
 
-_TARGET = "lightning_fsdp.strategy:FSDPCustomStrategy"
+_TARGET = "lightning_fsdp.trainer.strategy:FSDPCustomStrategy"
 
 FSDP_CUSTOM = StrategySpec(
     "fsdp_custom", _TARGET, "FSDP2 full sharding of parameters, gradients and optimizer state (auto-wrapped)."

@@ -85,7 +85,7 @@ def world_size_of(trainer_cfg: Mapping[str, Any]) -> Optional[int]:
 def check_mesh(cfg: DictConfig) -> None:
     """The sharding mesh (replicate × shard) must equal the number of processes; checked before any starts."""
     from lightning_fsdp.parallel.mesh import resolve_mesh_shape
-    from lightning_fsdp.strategy import FSDPCustomStrategy
+    from lightning_fsdp.trainer.strategy import FSDPCustomStrategy
 
     target = _locate(str(cfg.strategy._target_), "strategy")
     if not (isinstance(target, type) and issubclass(target, FSDPCustomStrategy)):

@@ -10,19 +10,19 @@ completions before and after, side by side. The figures go into ``trainer.callba
 
 from __future__ import annotations
 
-import textwrap
 import time
 from typing import Any, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
+
+from lightning_fsdp.callbacks.held_out import BeforeAndAfter, Row
 
 __all__ = ["HeldOutRewards"]
 
 
-class HeldOutRewards(Callback):
+class HeldOutRewards(BeforeAndAfter):
     """Score greedy completions of the held-out prompts at the start and the end of fit.
 
     Args:
@@ -32,14 +32,16 @@ class HeldOutRewards(Callback):
         max_new_tokens: the longest completion (default: the module's ``max_completion_length``).
     """
 
+    subject = "Held-out prompts"
+    expected_label = "expected"
+
     def __init__(self, count: Optional[int] = 64, show: int = 4, accuracy_reward: Optional[str] = None,
                  max_new_tokens: Optional[int] = None) -> None:
-        self.count, self.show, self.accuracy_reward, self.max_new_tokens = count, show, accuracy_reward, max_new_tokens
-        self.results: dict[str, dict[str, float]] = {}
-        self.completions: dict[str, list[str]] = {}  # "start"/"end" → each held-out prompt's completion
-        self._before: list[str] = []
+        super().__init__(show)
+        self.count, self.accuracy_reward, self.max_new_tokens = count, accuracy_reward, max_new_tokens
 
-    def evaluate(self, trainer: L.Trainer, pl_module: Any) -> Optional[tuple[dict[str, float], list[Any]]]:
+    @override
+    def evaluate(self, trainer: L.Trainer, pl_module: Any) -> Optional[tuple[dict[str, float], list[Row]]]:
         """``(metrics, rows)``: the held-out figures, and ``(prompt text, expected, completion)`` per prompt."""
         from lightning_fsdp.generation import Sampling, generate_on_ranks
         from lightning_fsdp.models.rollout import reward_arguments
@@ -69,43 +71,14 @@ class HeldOutRewards(Callback):
         shown = [(_prompt_text(r["prompt"]), r["columns"].get("answer", ""), t) for r, t in zip(rows, texts)]
         return metrics, shown
 
-    def _measure(self, trainer: L.Trainer, pl_module: Any, when: str, suffix: str) -> list[Any]:
-        evaluated = self.evaluate(trainer, pl_module)
-        if evaluated is None:
-            return []
-        metrics, rows = evaluated
-        self.results[when] = metrics
-        self.completions[when] = [text for _, _, text in rows]
-        for name in ("accuracy", "reward", "mean_length"):
-            trainer.callback_metrics[f"held_out_{name}{suffix}"] = torch.tensor(metrics[name])
-        if trainer.is_global_zero:
-            label = "at step 0" if when == "start" else f"after {trainer.global_step} steps"
-            print(f"Held-out prompts {label}: accuracy {metrics['accuracy']:.3f}, mean reward {metrics['reward']:.3f},"
-                  f" mean completion {metrics['mean_length']:.1f} tokens ({len(rows)} prompts,"
-                  f" {metrics['seconds']:.1f} s)", flush=True)
-        return rows
+    @override
+    def logged(self, metrics: dict[str, float]) -> dict[str, float]:
+        return {name: metrics[name] for name in ("accuracy", "reward", "mean_length")}
 
     @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._measure(trainer, pl_module, "start", "_at_start")
-        self._before = self.completions.get("start", [])
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        rows = self._measure(trainer, pl_module, "end", "")
-        if rows and trainer.is_global_zero and self.show:
-            print(self.side_by_side(rows), flush=True)
-
-    def side_by_side(self, rows: list[tuple[str, str, str]]) -> str:
-        wrap = textwrap.TextWrapper(width=100, initial_indent="    ", subsequent_indent="    ")
-        lines = ["Held-out prompts, before and after training:"]
-        for i, (prompt, expected, after) in enumerate(rows[: self.show]):
-            before = self._before[i] if i < len(self._before) else ""
-            lines.append(f"  Q: {prompt}")
-            for label, text in (("expected", str(expected)), ("before", before), ("after", after)):
-                lines.append(f"  {label}:")
-                lines += wrap.wrap(text.strip() or "(empty)")
-        return "\n".join(lines)
+    def describe(self, metrics: dict[str, float], rows: list[Row]) -> str:
+        return (f"accuracy {metrics['accuracy']:.3f}, mean reward {metrics['reward']:.3f}, mean completion"
+                f" {metrics['mean_length']:.1f} tokens ({len(rows)} prompts, {metrics['seconds']:.1f} s)")
 
 
 def _prompt_text(prompt: Any) -> str:

@@ -4,25 +4,22 @@ Both are ordinary LightningModules; neither imports the strategy. :data:`PRESETS
 other tools (benchmarks, the memory planner) build a decoder of a given size.
 """
 
-from lightning_fsdp.models.answers import HeldOutAnswers
 from lightning_fsdp.models.cnn import ConvBlock, ShapesCNN, average_batchnorm_stats
 from lightning_fsdp.models.gpt import GPT, GPTLightningModule, TransformerBlock
 from lightning_fsdp.models.grpo import HFGRPOLM
 from lightning_fsdp.models.gpt_config import PRESETS, GPTConfig, config_with_params, count_params, get_preset
 from lightning_fsdp.models.hf_causal_lm import HFCausalLM
-from lightning_fsdp.models.preference import HeldOutPreferences, HFPreferenceLM
+from lightning_fsdp.models.preference import HFPreferenceLM
 
 __all__ = [
     "HFGRPOLM",
     "HFPreferenceLM",
-    "HeldOutPreferences",
     "GPT",
     "PRESETS",
     "ConvBlock",
     "GPTConfig",
     "GPTLightningModule",
     "HFCausalLM",
-    "HeldOutAnswers",
     "ShapesCNN",
     "TransformerBlock",
     "average_batchnorm_stats",

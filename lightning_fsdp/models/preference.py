@@ -20,7 +20,6 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
-from lightning.pytorch.callbacks import Callback
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
@@ -38,7 +37,7 @@ from lightning_fsdp.models.reference import (
     reference_model_key,
 )
 
-__all__ = ["HFPreferenceLM", "HeldOutPreferences", "held_out_preferences"]
+__all__ = ["HFPreferenceLM"]
 
 #: what is logged per pair, train_* (this rank's micro-batch) and val_* (every held-out pair, all ranks)
 PAIR_METRICS = ("reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward", "chosen_logps", "rejected_logps")
@@ -238,60 +237,3 @@ class HFPreferenceLM(HFCausalLM):
     def on_validation_epoch_end(self) -> None:
         values = self._pair_metrics.compute_and_reset()  # pair-weighted means over every rank (a collective)
         self.log_dict({f"val_{k}": v for k, v in values.items()}, prog_bar=False, sync_dist=True)
-
-
-def held_out_preferences(trainer: Any, pl_module: HFPreferenceLM) -> Optional[dict[str, float]]:
-    """Pair-weighted means over every held-out pair of every rank: the loss, reward accuracy and margin, and how
-    often the policy gives the chosen answer more probability than the rejected one (``chosen_preferred``)."""
-    from lightning_fsdp.generation import in_root_forward
-
-    datamodule: Any = getattr(trainer, "datamodule", None)
-    if datamodule is None or getattr(datamodule, "val_set", None) is None or not len(datamodule.val_set):
-        return None
-    names = ("loss", "reward_accuracy", "reward_margin", "chosen_preferred", "pairs")
-    sums = torch.zeros(len(names), dtype=torch.float64)
-    device = trainer.strategy.root_device
-
-    def add_up() -> None:
-        for batch in datamodule.val_dataloader():
-            batch = trainer.strategy.batch_to_device(batch, device)
-            scores = pl_module.pair_scores(batch)
-            mask = batch["pair_mask"].to(scores.losses)
-            values = (scores.losses, scores.accuracies, scores.margins,
-                      (scores.chosen_logps > scores.rejected_logps).float(), torch.ones_like(mask))
-            sums.add_(torch.stack([(v * mask).sum() for v in values]).double().cpu())
-
-    in_root_forward(pl_module, add_up)
-    total = trainer.strategy.reduce(sums.to(device), reduce_op="sum").cpu()
-    pairs = float(total[-1].clamp(min=1))
-    return {name: float(total[i]) / pairs for i, name in enumerate(names[:-1])}
-
-
-class HeldOutPreferences(Callback):
-    """The held-out pairs at the start and the end of fit (:func:`held_out_preferences`): printed, and put into
-    ``trainer.callback_metrics`` as ``held_out_<name>_at_start`` and ``held_out_<name>`` (so into ``summary.json``)."""
-
-    def __init__(self) -> None:
-        self.results: dict[str, dict[str, float]] = {}
-
-    def _measure(self, trainer: Any, pl_module: Any, when: str, suffix: str) -> None:
-        if not isinstance(pl_module, HFPreferenceLM):
-            return
-        metrics = held_out_preferences(trainer, pl_module)
-        if metrics is None:
-            return
-        self.results[when] = metrics
-        for name, value in metrics.items():
-            trainer.callback_metrics[f"held_out_{name}{suffix}"] = torch.tensor(value)
-        if trainer.is_global_zero:
-            figures = ", ".join(f"{name.replace('_', ' ')} {value:.4f}" for name, value in metrics.items())
-            print(f"Held-out pairs {'at step 0' if when == 'start' else f'after {trainer.global_step} steps'}:"
-                  f" {figures}", flush=True)
-
-    @override
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._measure(trainer, pl_module, "start", "_at_start")
-
-    @override
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._measure(trainer, pl_module, "end", "")

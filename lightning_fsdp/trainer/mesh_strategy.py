@@ -3,7 +3,7 @@
 The half of the strategy that has nothing to do with sharding a model: it starts the processes (through the
 failure-relaying launcher), joins the process group, builds the replicate × shard mesh, tells Lightning how to split
 the data, and runs the collectives every LightningModule may call, each guarded by
-:func:`~lightning_fsdp.resilience.collective`. :class:`~lightning_fsdp.strategy.FSDPCustomStrategy` adds the model.
+:func:`~lightning_fsdp.resilience.collective`. :class:`~lightning_fsdp.trainer.strategy.FSDPCustomStrategy` adds the model.
 """
 
 from __future__ import annotations

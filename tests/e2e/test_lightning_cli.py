@@ -23,7 +23,7 @@ def _fit(tmp_path, *args, devices=1):
 
 def test_strategy_by_registry_name_on_two_ranks(tmp_path):
     report = _fit(tmp_path, "--trainer.strategy", "fsdp_custom", devices=2)
-    assert report["strategy"] == "lightning_fsdp.strategy.FSDPCustomStrategy"
+    assert report["strategy"] == "lightning_fsdp.trainer.strategy.FSDPCustomStrategy"
     assert report["world_size"] == 2 and report["global_step"] == 2
     assert report["wrapped_units"] == ["net.layers.0", "net.layers.1", "net.layers.2", ""]
 
@@ -35,7 +35,7 @@ def test_strategy_by_class_path_with_init_args(tmp_path):
         "--trainer.strategy.auto_wrap_policy", "[Block]",
         "--trainer.strategy.state_dict_type", "full",
     )
-    assert report["strategy"] == "lightning_fsdp.strategy.FSDPCustomStrategy"
+    assert report["strategy"] == "lightning_fsdp.trainer.strategy.FSDPCustomStrategy"
     assert report["wrapped_units"] == ["net.layers.0", "net.layers.1", "net.layers.2", ""]
     assert report["state_dict_type"] == "full" and "Block" in report["auto_wrap_policy"]
 

@@ -1,9 +1,9 @@
 """The package's layout keeps its promises: small modules, imports that only point down, torch internals fenced.
 
-The layers (the README's layout table): a module may import from its own layer's package and from any lower layer,
+The layers (the docs' layout table): a module may import from its own layer's package and from any lower layer,
 never from a higher one. Private torch names are used in ``_torch_compat/`` only, Lightning's in
-``_lightning_compat.py`` only. ``lightning.pytorch`` is spoken by the Trainer front end (``strategy.py`` and
-``trainer/``) and the apps built on the Trainer, never below them; Fabric's strategy machinery by ``fabric/`` only.
+``_lightning_compat.py`` only. ``lightning.pytorch`` is spoken by the Trainer front end (``trainer/``) and the apps
+built on the Trainer, never below them; Fabric's strategy machinery by ``fabric/`` only.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("runtime", {"runtime"}),  # what both front ends hold: process group, prepared model, checkpoints, failures
     ("planner", {"planner"}),
     ("registry", {"registry"}),
-    ("trainer pieces", {"trainer"}),  # the Trainer front end's callbacks, plugin, launcher and process hooks
-    ("hooks", {"strategy", "fabric"}),  # the Trainer's and Fabric's front ends: neither imports the other
+    ("front ends", {"trainer", "fabric"}),  # the Trainer's and Fabric's: side by side, neither imports the other
     ("app", {"cli", "train", "train_config", "models", "data", "commands", "rewards", "callbacks", "__init__",
              "__main__"}),
 ]
@@ -78,7 +77,7 @@ def _imports(tree: ast.AST, path: Path) -> list[tuple[str, int]]:
 
 def test_every_module_is_in_a_layer():
     tops = {_top(p) for p in _modules()}
-    assert tops - set(LAYER_OF) == set(), "add new top-level modules to LAYERS (and to the README's layout table)"
+    assert tops - set(LAYER_OF) == set(), "add new top-level modules to LAYERS (and to the docs' layout table)"
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -151,7 +150,7 @@ def _external_imports(path: Path) -> set[str]:
 
 
 #: where each half of Lightning may be imported (``_lightning_compat.py`` holds the private names of both)
-TRAINER_FRONT_END = {"strategy", "trainer"}
+TRAINER_FRONT_END = {"trainer"}
 TRAINER_USERS = TRAINER_FRONT_END | {"registry", "cli", "train", "train_config", "models", "data", "commands", "callbacks",
                                      "__init__"}
 FABRIC_FRONT_END = {"fabric"}
@@ -308,7 +307,7 @@ def test_front_ends_delegate_the_shared_work_to_one_runtime():
     hold failures and checkpoints are written once, in ``runtime.py``; the front ends only call it."""
     shared = ("prepare_model(", "init_dist_connection(", "build_device_mesh(", "annotate_checkpoint(", "resolve_base(",
               "Checkpointer(", "Resilience(", "ShardingPlan(")
-    front_ends = [PACKAGE / "strategy.py", *(PACKAGE / "trainer").glob("*.py"), *(PACKAGE / "fabric").glob("*.py")]
+    front_ends = [*(PACKAGE / "trainer").glob("*.py"), *(PACKAGE / "fabric").glob("*.py")]
     wrong = [f"{p.relative_to(PACKAGE)} calls {name}" for p in front_ends for name in shared if name in p.read_text()]
     assert not wrong, "move this into lightning_fsdp/runtime.py:\n" + "\n".join(wrong)
 

@@ -8,8 +8,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_fsdp.trainer import LossCurve
-from lightning_fsdp.trainer.loss_curve import read_curves
+from lightning_fsdp.callbacks import LossCurve
+from lightning_fsdp.callbacks.loss_curve import read_curves
 from lightning_fsdp.trainer.progress import StepRichProgressBar, epoch_title, progress_bar
 
 

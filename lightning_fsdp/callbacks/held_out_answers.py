@@ -1,6 +1,6 @@
 """``HeldOutAnswers``: what a fine-tune learnt, in the terms a user judges it by, at step 0 and at the end.
 
-A callback, so any fine-tuning job can add it. On the held-out (validation) set of the datamodule it measures:
+On the held-out (validation) set of the datamodule it measures:
 
 - the per-token loss on the trained tokens (the answers), over every held-out row on every rank;
 - greedy answers to the held-out questions through the model's chat template, scored against the references by
@@ -18,14 +18,14 @@ a Hugging Face model (``pl_module.model``), and every rank gets every answer; ra
 
 from __future__ import annotations
 
-import textwrap
 import time
 from typing import Any, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
+
+from lightning_fsdp.callbacks.held_out import BeforeAndAfter, Row, held_out_sums
 
 __all__ = ["HeldOutAnswers", "greedy_answers", "held_out_loss"]
 
@@ -53,27 +53,18 @@ def greedy_answers(
 
 def held_out_loss(trainer: L.Trainer, pl_module: Any) -> Optional[float]:
     """The per-token loss over every held-out row of every rank (``pl_module.token_sums`` of each batch)."""
-    datamodule: Any = getattr(trainer, "datamodule", None)
-    if datamodule is None or not callable(getattr(pl_module, "token_sums", None)):
+    if getattr(trainer, "datamodule", None) is None or not callable(getattr(pl_module, "token_sums", None)):
         return None
-    total = torch.zeros((), dtype=torch.float64)
-    count = torch.zeros((), dtype=torch.float64)
-    device = trainer.strategy.root_device
 
-    def add_up() -> None:
-        for batch in datamodule.val_dataloader():
-            loss_sum, tokens, _ = pl_module.token_sums(trainer.strategy.batch_to_device(batch, device))
-            total.add_(loss_sum.double().cpu())
-            count.add_(tokens.double().cpu())
+    def sums(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss_sum, tokens, _ = pl_module.token_sums(batch)
+        return torch.stack([loss_sum.detach().double().cpu(), tokens.double().cpu()])
 
-    from lightning_fsdp.generation import in_root_forward
-
-    in_root_forward(pl_module, add_up)
-    sums = trainer.strategy.reduce(torch.stack([total, count]).to(device), reduce_op="sum")
-    return float(sums[0] / sums[1].clamp(min=1))
+    total, count = held_out_sums(trainer, pl_module, sums, 2)
+    return float(total / count.clamp(min=1))
 
 
-class HeldOutAnswers(Callback):
+class HeldOutAnswers(BeforeAndAfter):
     """Measure the held-out loss and answers at the start and end of fit, and show a few side by side.
 
     Args:
@@ -84,16 +75,18 @@ class HeldOutAnswers(Callback):
         rollout_mode: how a sharded model is gathered while answering (:data:`~lightning_fsdp.generation.ROLLOUT_MODES`).
     """
 
+    subject = "Held-out set"
+
     def __init__(self, count: int = 32, max_new_tokens: int = 48, show: int = 4, batch_size: int = 32,
                  rollout_mode: str = "auto") -> None:
-        self.count, self.max_new_tokens, self.show, self.batch_size = count, max_new_tokens, show, batch_size
+        super().__init__(show)
+        self.count, self.max_new_tokens, self.batch_size = count, max_new_tokens, batch_size
         self.rollout_mode = rollout_mode
-        self.results: dict[str, dict[str, float]] = {}
         self.seconds: dict[str, float] = {}
         self._validated: Optional[tuple[int, float]] = None  # (step, val_loss) of Lightning's last validation
-        self._first_answers: list[str] = []
 
-    def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Optional[tuple[dict[str, float], list[Any]]]:
+    @override
+    def evaluate(self, trainer: L.Trainer, pl_module: Any) -> Optional[tuple[dict[str, float], list[Row]]]:
         datamodule: Any = getattr(trainer, "datamodule", None)
         examples = datamodule.held_out_examples(self.count) if hasattr(datamodule, "held_out_examples") else []
         metrics: dict[str, float] = {}
@@ -123,6 +116,18 @@ class HeldOutAnswers(Callback):
         return metrics, rows
 
     @override
+    def describe(self, metrics: dict[str, float], rows: list[Row]) -> str:
+        figures = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
+        took = " + ".join(f"{what} {seconds:.1f} s" for what, seconds in self.seconds.items())
+        return f"{figures} ({took})"
+
+    @override
+    def measured(self, trainer: L.Trainer, when: str, metrics: dict[str, float]) -> None:
+        if when == "start" and "loss" in metrics:
+            for logger in trainer.loggers:  # the validation curve's first point
+                logger.log_metrics({"val_loss": metrics["loss"]}, step=0)
+
+    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         value = trainer.callback_metrics.get("val_loss")
         self._validated = (trainer.global_step, float(value)) if value is not None else None
@@ -134,49 +139,3 @@ class HeldOutAnswers(Callback):
             return None
         whole = trainer.limit_val_batches == 1.0 and not isinstance(trainer.limit_val_batches, int)
         return self._validated[1] if whole else None
-
-    def _report(self, trainer: L.Trainer, when: str, metrics: dict[str, float]) -> None:
-        figures = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
-        took = " + ".join(f"{what} {seconds:.1f} s" for what, seconds in self.seconds.items())
-        print(f"Held-out set {when}: {figures} ({took})", flush=True)
-
-    @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        evaluated = self._evaluate(trainer, pl_module)
-        if evaluated is None:
-            return
-        metrics, rows = evaluated
-        self.results["start"] = metrics
-        self._first_answers = [text for _, _, text in rows]
-        for name, value in metrics.items():
-            trainer.callback_metrics[f"held_out_{name}_at_start"] = torch.tensor(value)
-        if trainer.is_global_zero:
-            self._report(trainer, "at step 0", metrics)
-        if "loss" in metrics:
-            for logger in trainer.loggers:  # the validation curve's first point
-                logger.log_metrics({"val_loss": metrics["loss"]}, step=0)
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        evaluated = self._evaluate(trainer, pl_module)
-        if evaluated is None:
-            return
-        metrics, rows = evaluated
-        self.results["end"] = metrics
-        for name, value in metrics.items():
-            trainer.callback_metrics[f"held_out_{name}"] = torch.tensor(value)
-        if trainer.is_global_zero:
-            self._report(trainer, f"after {trainer.global_step} steps", metrics)
-            print(self.side_by_side(rows), flush=True)
-
-    def side_by_side(self, rows: list[tuple[str, str, str]]) -> str:
-        """The first ``show`` held-out questions: reference, the answer at step 0 and the answer now."""
-        wrap = textwrap.TextWrapper(width=100, initial_indent="    ", subsequent_indent="    ")
-        lines = ["Held-out questions, before and after fine-tuning:"]
-        for i, (question, reference, after) in enumerate(rows[: self.show]):
-            before = self._first_answers[i] if i < len(self._first_answers) else ""
-            lines.append(f"  Q: {question}")
-            for label, text in (("reference", reference), ("before", before), ("after", after)):
-                lines.append(f"  {label}:")
-                lines += wrap.wrap(text or "(empty)")
-        return "\n".join(lines)
