@@ -1,4 +1,5 @@
-"""The ``lightning-fsdp`` subcommands that work on checkpoints; each module has ``main(argv) -> int``."""
+"""The ``lightning-fsdp`` subcommands besides ``train`` and ``estimate``: checkpoint tools (``consolidate``, ``verify``,
+``inspect``, ``seal``), ``import`` of GGUF files and ``chat``; each module has ``main(argv) -> int``."""
 
 from __future__ import annotations
 

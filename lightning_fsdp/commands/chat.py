@@ -105,7 +105,7 @@ def load_chat_model(
     target = parse_dtype(dtype if dtype is not None else torch.float32, "--dtype")
     kind = source_kind(path)
     if kind == "checkpoint":
-        from lightning_fsdp.hf.in_memory import load_hf_model
+        from lightning_fsdp.hf.checkpoint_model import load_hf_model
 
         model, side_dir = load_hf_model(path, base=base, dtype=target)
         tokenizer_dir = Path(base) if base is not None else side_dir

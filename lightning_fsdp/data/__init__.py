@@ -1,4 +1,4 @@
-"""Data for the example jobs; nothing is downloaded.
+"""Data modules: the user's own data for SFT, DPO and GRPO, and generated sets for the examples (nothing downloaded).
 
 - :class:`TextCorpusDataModule`: byte-level LM text from the docstrings of Python's own standard library.
 - :class:`ShapesDataModule`: generated images of four shapes, for the CNN.

@@ -11,6 +11,10 @@
 :mod:`.base`                the loaded base; LoRA checkpoints that refer to it instead of storing it
 :mod:`.info`                what a checkpoint records about the HF model (config, attribute, adapters) for export
 :mod:`.export`              a sharded checkpoint → a HF directory (LoRA merged) or a PEFT adapter, streaming
+:mod:`.checkpoint_model`    a sharded checkpoint's HF model built in memory, as ``export`` would write it (``chat``)
+:mod:`.gguf`                a GGUF file as a model source: checked from its header, converted once into a HF directory
+:mod:`.gguf_export`         a HF causal LM → one GGUF file (what llama.cpp, Ollama and LM Studio run)
+:mod:`.packaged`            real models that ship inside a wheel, found through its metadata
 ==========================  ==========================================================================================
 
 transformers and PEFT are optional (``pip install lightning-fsdp[hf]``): nothing here imports them unless a model

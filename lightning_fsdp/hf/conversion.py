@@ -17,7 +17,7 @@ Export runs the mapping backwards (:func:`revert_tensor`), so ``--format hf`` wr
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Optional
@@ -75,9 +75,6 @@ class Conversion:
     tensors: dict[str, TensorInfo]  # model-space key → dtype and shape (``file`` empty for fused tensors)
     renamed: dict[str, str]  # model-space key → the file key it is read from
     fused: dict[str, FusedTensor]
-
-    def file_keys_of(self, key: str) -> list[str]:
-        return self.fused[key].file_keys if key in self.fused else [self.renamed[key]]
 
 
 def hf_model_in(module: nn.Module) -> Optional[PreTrainedModel]:

@@ -6,7 +6,7 @@ directory, or of ``--hf-config``), keys without the LightningModule's attribute 
 into its base: each LoRA layer is materialised alone, filled with its base and adapter weights and merged by PEFT's
 own ``merge`` (DoRA and ``fan_in_fan_out`` included), so memory stays near one output shard. ``--format peft``
 writes the adapter alone through ``PeftModel.save_pretrained`` (``PeftModel.from_pretrained`` loads it).
-:func:`lightning_fsdp.hf.in_memory.load_hf_model` builds the model ``--format hf`` writes in memory instead.
+:func:`lightning_fsdp.hf.checkpoint_model.load_hf_model` builds the model ``--format hf`` writes in memory instead.
 
 The base weights of a LoRA checkpoint come from the pretrained directory it recorded (checked against its identity
 first) or from ``--base DIR``. A QLoRA checkpoint (``quantize_base``) is merged into that original full-precision

@@ -171,7 +171,7 @@ def export_gguf_from_checkpoint(src: PathLike, dst: PathLike, *, base: Optional[
     tokenizer comes from ``tokenizer_dir`` or the pretrained directory the checkpoint names."""
     from transformers import AutoTokenizer
 
-    from lightning_fsdp.hf.in_memory import load_hf_model
+    from lightning_fsdp.hf.checkpoint_model import load_hf_model
 
     _check_destination(Path(dst), force)
     model, side_dir = load_hf_model(src, base=base, weights=weights)

@@ -65,10 +65,6 @@ def _prefixes(model_keys: Iterable[str]) -> list[str]:
     return sorted(found, key=len)
 
 
-def mapping_for(layout: KeyLayout, model_keys: Iterable[str]) -> dict[str, Optional[str]]:
-    return {k: layout.file_key(k) for k in model_keys}
-
-
 def detect_layout(
     model_keys: Collection[str], file_keys: Collection[str], key_map: Optional[Mapping[str, str]] = None
 ) -> KeyLayout:

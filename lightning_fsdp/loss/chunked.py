@@ -27,11 +27,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_fsdp.loss.linear_cross_entropy import linear_cross_entropy_sum, plain_linear
+from lightning_fsdp.loss.linear_cross_entropy import (
+    frozen_linear_token_log_probs,
+    linear_cross_entropy_sum,
+    plain_linear,
+)
 from lightning_fsdp.loss.token_mean import IGNORE_INDEX
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "check_chunk_tokens", "chunked_causal_lm_eval", "chunked_causal_lm_loss",
-           "token_log_probs"]
+           "sequence_log_probs", "token_log_probs"]
 
 #: tokens per chunk unless told otherwise: measured at real vocabularies (benchmarks/loss_chunk.py, 2048 tokens,
 #: fused path): 512 takes 0.83x the whole logits' forward + backward at SmolLM2's 49,152 and 0.94x at Llama 3's 128,256
@@ -129,6 +133,13 @@ def token_log_probs(
     shifted = labels[:, 1:]
     keep = shifted != IGNORE_INDEX
     flat_hidden, targets = hidden[:, :-1][keep], shifted[keep]
+    place = torch.cat([torch.zeros_like(keep[:, :1]), keep], dim=1)
+    dense = torch.zeros(rows, width, dtype=torch.float32, device=labels.device)
+    linear = plain_linear(head)
+    if linear is not None and not any(t is not None and t.requires_grad for t in linear):  # a frozen plain head
+        flat_logps, flat_entropy = frozen_linear_token_log_probs(flat_hidden, *linear, targets, chunk_tokens,
+                                                                 temperature)
+        return dense.masked_scatter(place, flat_logps), dense.masked_scatter(place, flat_entropy)
     logps, entropies = [], []
     for start in range(0, targets.shape[0], chunk_tokens):
         part = slice(start, start + chunk_tokens)
@@ -142,6 +153,16 @@ def token_log_probs(
     empty = hidden.new_zeros(0, dtype=torch.float32)
     flat_logps = torch.cat(logps) if logps else empty
     flat_entropy = torch.cat(entropies) if entropies else empty
-    place = torch.cat([torch.zeros_like(keep[:, :1]), keep], dim=1)
-    dense = torch.zeros(rows, width, dtype=torch.float32, device=labels.device)
     return dense.masked_scatter(place, flat_logps), dense.masked_scatter(place, flat_entropy.detach())
+
+
+def sequence_log_probs(
+    hidden: Tensor, head: Head, labels: Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> tuple[Tensor, Tensor]:
+    """``(Σ log p of each row's labelled tokens, labelled token count)``, both of shape ``(rows,)``: a completion's
+    log-probability, as preference losses and reference models score it (:func:`token_log_probs`, summed per row).
+
+    ``hidden``: ``(rows, T, H)`` final hidden states; ``labels``: ``(rows, T)`` aligned with the inputs (position
+    ``t`` predicts ``labels[t + 1]``), ``-100`` on the prompt and padding."""
+    logps, _ = token_log_probs(hidden, head, labels, chunk_tokens=chunk_tokens)
+    return logps.sum(dim=1), (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)

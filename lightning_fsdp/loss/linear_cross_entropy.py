@@ -101,3 +101,60 @@ def linear_cross_entropy_sum(
     total = LinearCrossEntropy.apply(hidden, weight, bias, labels, chunk_tokens)
     assert isinstance(total, Tensor)
     return total
+
+
+class FrozenLinearTokenLogProbs(torch.autograd.Function):
+    """Each token's ``log softmax(F.linear(hidden, weight, bias) / temperature)[label]`` through a frozen head (LoRA's,
+    QLoRA's, a reference's), chunk by chunk, and its entropy (measured, not differentiated).
+
+    With the head frozen only the hidden states want a gradient, and each token's is the same vector scaled by the
+    incoming gradient of that token: ``(one-hot - softmax) @ weight / temperature``, made in the forward while the
+    chunk's logits exist, scaled in backward. No projection is recomputed."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, chunk_tokens: int,
+                temperature: float) -> tuple[Tensor, Tensor]:
+        wants_hidden = ctx.needs_input_grad[0]
+        grad_hidden = torch.empty_like(hidden) if wants_hidden else None
+        logps = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logps)
+        for start in range(0, targets.shape[0], chunk_tokens):
+            part = slice(start, start + chunk_tokens)
+            logits = F.linear(hidden[part], weight, bias)
+            compute_dtype = logits.dtype
+            logits = logits.float()
+            if temperature != 1.0:
+                logits = logits / temperature
+            log_softmax = logits.log_softmax(-1)
+            del logits
+            picked = log_softmax.gather(1, targets[part].unsqueeze(1)).squeeze(1)
+            logps[part] = picked
+            probs = log_softmax.exp()
+            entropy[part] = -(probs * log_softmax).sum(-1)
+            del log_softmax
+            if grad_hidden is not None:  # d log p[y] / d logits = one-hot - softmax
+                grad = probs.neg_()
+                grad.scatter_add_(1, targets[part].unsqueeze(1), torch.ones_like(picked).unsqueeze(1))
+                if temperature != 1.0:
+                    grad.div_(temperature)
+                grad_hidden[part] = grad.to(compute_dtype) @ weight.to(compute_dtype)
+        if grad_hidden is not None:
+            ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(entropy)
+        ctx.hidden_dtype = hidden.dtype
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logps: Tensor, grad_entropy: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+        if not ctx.saved_tensors:
+            return (None,) * 6
+        (grad_hidden,) = ctx.saved_tensors
+        return (grad_hidden * grad_logps.unsqueeze(1).to(grad_hidden.dtype)).to(ctx.hidden_dtype), *(None,) * 5
+
+
+def frozen_linear_token_log_probs(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, chunk_tokens: int, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """``(N, H)`` hidden states and ``(N,)`` targets through a frozen head → ``(log p, entropy)``, each ``(N,)``."""
+    logps, entropy = FrozenLinearTokenLogProbs.apply(hidden, weight, bias, targets, chunk_tokens, temperature)
+    return logps, entropy

@@ -3,7 +3,7 @@
 A batch holds ``B`` pairs as ``2B`` rows, the chosen completions first: row ``i`` and row ``B + i`` share a prompt.
 Each row's log-probability is the sum over its completion tokens (labels ``!= -100``) of ``log p(token | prefix)``,
 computed from the final hidden states and the output projection a chunk of tokens at a time, so that the whole
-logits never exist (as in :mod:`lightning_fsdp.loss.chunked`).
+logits never exist (:func:`lightning_fsdp.loss.chunked.sequence_log_probs`).
 
 The step's objective is the mean over *pairs*: every micro-batch back-propagates its summed pair losses and
 :class:`~lightning_fsdp.loss.TokenWeightedLoss` (the same mechanism as the per-token SFT mean, with pairs as the
@@ -14,52 +14,17 @@ unit) divides the gradients by the global count of pairs, so the step is the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Optional
 
-import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch import Tensor
 
-from lightning_fsdp.loss.token_mean import IGNORE_INDEX
-
-__all__ = ["PREFERENCE_LOSSES", "REFERENCE_MODES", "PairScores", "preference_loss", "sequence_log_probs"]
+__all__ = ["PREFERENCE_LOSSES", "REFERENCE_MODES", "PairScores", "preference_loss"]
 
 #: name → whether the loss compares against a reference model
 PREFERENCE_LOSSES = {"dpo": True, "simpo": False}
 #: how the reference model's log-probabilities are made (:mod:`lightning_fsdp.models.reference`)
 REFERENCE_MODES = ("adapters_off", "copy", "precomputed")
-
-Head = Union[nn.Module, Callable[[Tensor], Tensor]]
-
-
-def _chunk_log_probs(head: Head, hidden: Tensor, targets: Tensor) -> Tensor:
-    return -F.cross_entropy(head(hidden).float(), targets, reduction="none")
-
-
-def sequence_log_probs(
-    hidden: Tensor, head: Head, labels: Tensor, *, chunk_tokens: int = 256
-) -> tuple[Tensor, Tensor]:
-    """``(Σ log p of each row's completion tokens, completion token count)``, both of shape ``(rows,)``.
-
-    ``hidden``: ``(rows, T, H)`` final hidden states; ``labels``: ``(rows, T)`` aligned with the inputs (position
-    ``t`` predicts ``labels[t + 1]``), ``-100`` on the prompt and padding."""
-    rows = labels.shape[0]
-    hidden, labels = hidden[:, :-1, :], labels[:, 1:]
-    row_of = torch.arange(rows, device=labels.device).unsqueeze(1).expand_as(labels)
-    keep = labels != IGNORE_INDEX
-    flat_hidden, targets, owners = hidden[keep], labels[keep], row_of[keep]
-    per_token = []
-    for start in range(0, targets.shape[0], chunk_tokens):
-        part = slice(start, start + chunk_tokens)
-        if torch.is_grad_enabled():
-            per_token.append(checkpoint(_chunk_log_probs, head, flat_hidden[part], targets[part], use_reentrant=False))
-        else:
-            per_token.append(_chunk_log_probs(head, flat_hidden[part], targets[part]))
-    token_logps = torch.cat(per_token) if per_token else hidden.new_zeros(0, dtype=torch.float32)
-    sums = torch.zeros(rows, dtype=torch.float32, device=labels.device).index_add(0, owners, token_logps)
-    return sums, keep.sum(dim=1)
-
 
 @dataclass
 class PairScores:

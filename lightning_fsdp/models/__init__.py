@@ -1,7 +1,9 @@
-"""Models for the example jobs: a GPT-style decoder LM and a small CNN with BatchNorm.
+"""LightningModules: Hugging Face causal LMs for SFT (:class:`HFCausalLM`), DPO/SimPO (:class:`HFPreferenceLM`) and
+GRPO (:class:`HFGRPOLM`), and for the examples a GPT-style decoder and a small CNN with BatchNorm.
 
-Both are ordinary LightningModules; neither imports the strategy. :data:`PRESETS` and :func:`count_params` let
-other tools (benchmarks, the memory planner) build a decoder of a given size.
+All are ordinary LightningModules; none imports a strategy. :mod:`.reference` holds the frozen reference (adapters
+off, a sharded copy, or precomputed), :mod:`.rollout` GRPO's sampled completions. :data:`PRESETS` and
+:func:`count_params` let other tools (benchmarks, the memory planner) build a decoder of a given size.
 """
 
 from lightning_fsdp.models.cnn import ConvBlock, ShapesCNN, average_batchnorm_stats

@@ -23,8 +23,8 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lightning_fsdp.loss.chunked import DEFAULT_CHUNK_TOKENS
-from lightning_fsdp.loss.preference import PREFERENCE_LOSSES, PairScores, preference_loss, sequence_log_probs
+from lightning_fsdp.loss.chunked import DEFAULT_CHUNK_TOKENS, sequence_log_probs
+from lightning_fsdp.loss.preference import PREFERENCE_LOSSES, PairScores, preference_loss
 from lightning_fsdp.models.hf_causal_lm import HFCausalLM
 from lightning_fsdp.models.metrics import ValidationMetrics
 from lightning_fsdp.models.reference import (

@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional, Protocol, Union, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from lightning_fsdp.loss.chunked import token_log_probs
-from lightning_fsdp.loss.preference import REFERENCE_MODES, sequence_log_probs
+from lightning_fsdp.loss.chunked import sequence_log_probs, token_log_probs
+from lightning_fsdp.loss.preference import REFERENCE_MODES
 from lightning_fsdp.models.hf_causal_lm import hidden_states_and_head
 
 __all__ = ["REFERENCE_MODES", "ReferenceModel", "frozen_copy", "precompute_reference", "reference_model_key"]

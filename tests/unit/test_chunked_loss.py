@@ -150,3 +150,45 @@ def test_the_token_loss_lifts_half_precision_to_fp32_and_keeps_fp64():
         assert total.dtype == expected and int(count) == 2
     exact = torch.nn.functional.cross_entropy(logits[0, :-1], torch.tensor([1, IGNORE_INDEX, 2]), reduction="sum")
     assert causal_lm_token_loss(logits, labels)[0].item() == exact.item()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [3, 512])
+def test_token_and_sequence_log_probs_through_a_frozen_head_equal_the_whole_logits(chunk, temperature):
+    """LoRA's, QLoRA's and every reference's head is frozen: its fused path (no chunk recomputed) gives the log-probs,
+    entropies, per-row sums and hidden-state gradients of the whole logits."""
+    from lightning_fsdp.loss.chunked import sequence_log_probs, token_log_probs
+
+    torch.manual_seed(0)
+    rows, width, hidden_size, vocab = 3, 7, 8, 11
+    head = nn.Linear(hidden_size, vocab, bias=True).requires_grad_(False)
+    hidden = torch.randn(rows, width, hidden_size, requires_grad=True)
+    labels = torch.randint(0, vocab, (rows, width))
+    labels[0, :3] = IGNORE_INDEX
+    labels[2, 5:] = IGNORE_INDEX
+    weights = torch.randn(rows, width)
+
+    logits = head(hidden).float() / temperature
+    log_softmax = logits.log_softmax(-1)
+    target = labels[:, 1:].clamp(min=0)
+    keep = labels[:, 1:] != IGNORE_INDEX
+    expected = torch.zeros(rows, width)
+    expected[:, 1:] = log_softmax[:, :-1].gather(-1, target.unsqueeze(-1)).squeeze(-1) * keep
+    expected_entropy = torch.zeros(rows, width)
+    expected_entropy[:, 1:] = -(log_softmax.exp() * log_softmax).sum(-1)[:, :-1] * keep
+    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), hidden, retain_graph=True)
+
+    logps, entropy = token_log_probs(hidden, head, labels, chunk_tokens=chunk, temperature=temperature)
+    (grad,) = torch.autograd.grad((logps * weights).sum(), hidden)
+    torch.testing.assert_close(logps, expected)
+    torch.testing.assert_close(entropy, expected_entropy)
+    torch.testing.assert_close(grad, expected_grad)
+    assert not entropy.requires_grad
+
+    if temperature == 1.0:
+        sums, counts = sequence_log_probs(hidden, head, labels, chunk_tokens=chunk)
+        torch.testing.assert_close(sums, expected.sum(1))
+        assert counts.tolist() == keep.sum(1).tolist()
+        (row_grad,) = torch.autograd.grad((sums * weights[:, 0]).sum(), hidden)
+        (expected_row_grad,) = torch.autograd.grad((expected.sum(1) * weights[:, 0]).sum(), hidden)
+        torch.testing.assert_close(row_grad, expected_row_grad)
