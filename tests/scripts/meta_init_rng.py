@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_fsdp import FSDPCustomStrategy  # noqa: E402
 from lightning_fsdp.models import HFCausalLM  # noqa: E402
-from lightning_fsdp.models.gpt import GPTLightningModule  # noqa: E402
+from lightning_fsdp.models.gpt_module import GPTLightningModule  # noqa: E402
 from tests.helpers.hf import LORA  # noqa: E402
 
 OUT, DEVICES, LLAMA = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])

@@ -39,7 +39,7 @@ def bpe_tokenizer(split: str) -> Any:
     from tokenizers import Regex, pre_tokenizers
 
     from lightning_fsdp.data.sft.demo import train_tokenizer
-    from lightning_fsdp.hf.gguf_export import PRE_TOKENIZERS
+    from lightning_fsdp.hf.gguf_vocab import PRE_TOKENIZERS
 
     if split == "gpt2":
         return make_tokenizer("llama3")  # BOS/EOS, a Llama-3 template

@@ -23,7 +23,8 @@ from lightning_fsdp.models import (
     count_params,
     get_preset,
 )
-from lightning_fsdp.models.gpt import RotaryEmbedding, lr_multiplier, sample_next
+from lightning_fsdp.models.gpt import RotaryEmbedding
+from lightning_fsdp.models.gpt_module import lr_multiplier, sample_next
 from lightning_fsdp.sharding import find_repeated_block_classes, materialize_meta_module, select_units
 from tests.helpers.launch import run_python
 

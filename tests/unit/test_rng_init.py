@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_fsdp._torch_compat import intercept_dispatch
-from lightning_fsdp.sharding import materialize
-from lightning_fsdp.sharding.materialize import _row_chunks, _whole_tensor_draws
+from lightning_fsdp.sharding import seeded_init
+from lightning_fsdp.sharding.seeded_init import _row_chunks, _whole_tensor_draws
 from tests.helpers.launch import one_rank_gloo_mesh
 
 FILLS = {
@@ -130,7 +130,7 @@ INITS = {
 @pytest.mark.parametrize("init", list(INITS))
 def test_dtensor_fills_draw_what_one_eager_process_draws(mesh, init, budget, generator, monkeypatch):
     if budget is not None:
-        monkeypatch.setattr(materialize, "RANDOM_FILL_CHUNK_BYTES", budget)
+        monkeypatch.setattr(seeded_init, "RANDOM_FILL_CHUNK_BYTES", budget)
     shape = (37, 19)
 
     def run(t):
@@ -165,8 +165,8 @@ def test_plain_tensors_pass_through(mesh):
 @pytest.mark.parametrize("sharded_probs", [False, True], ids=["plain_p", "dtensor_p"])
 def test_a_fill_that_cannot_be_chunked_is_drawn_whole_with_a_warning(mesh, monkeypatch, sharded_probs):
     """``bernoulli_`` with a tensor of probabilities: drawn whole, named with its size, still eager's numbers."""
-    monkeypatch.setattr(materialize, "RANDOM_FILL_CHUNK_BYTES", 64)
-    monkeypatch.setattr(materialize, "RANDOM_FILL_WARN_BYTES", 64)
+    monkeypatch.setattr(seeded_init, "RANDOM_FILL_CHUNK_BYTES", 64)
+    monkeypatch.setattr(seeded_init, "RANDOM_FILL_WARN_BYTES", 64)
     probs = torch.linspace(0, 1, 37 * 19).reshape(37, 19)
     torch.manual_seed(2)
     eager = torch.empty(37, 19).bernoulli_(probs)
@@ -184,7 +184,7 @@ def test_a_meta_model_sharded_on_one_rank_equals_eager(mesh, monkeypatch):
 
     from lightning_fsdp.sharding import materialize_meta_module, parameters_on_meta
 
-    monkeypatch.setattr(materialize, "RANDOM_FILL_CHUNK_BYTES", 256)  # chunk every weight
+    monkeypatch.setattr(seeded_init, "RANDOM_FILL_CHUNK_BYTES", 256)  # chunk every weight
 
     def build():
         return nn.Sequential(
@@ -215,7 +215,7 @@ def test_other_layouts_draw_what_one_eager_process_draws(mesh, case, monkeypatch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
 
-    monkeypatch.setattr(materialize, "RANDOM_FILL_CHUNK_BYTES", 64)
+    monkeypatch.setattr(seeded_init, "RANDOM_FILL_CHUNK_BYTES", 64)
     shape = () if case == "scalar" else (37, 19)
     torch.manual_seed(4)
     eager = torch.empty(shape)

@@ -127,7 +127,7 @@ class SFTDataModule(SplitDataModule):
         prepared = PreparedSet.open(root)
         self.prepared = prepared
         if self.trainer is None or self.trainer.is_global_zero:
-            log.warning("Fine-tuning data %s", describe(prepared.stats))
+            print(f"Fine-tuning data {describe(prepared.stats)}", flush=True)
         self.train_set = self._rows(prepared.train, prepared.train_bins)
         self.val_set = self._rows(prepared.val, prepared.val_bins)
 
