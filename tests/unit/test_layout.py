@@ -19,7 +19,8 @@ MAX_LINES = 400
 
 #: lowest first; each entry is the top-level modules/packages of one layer
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundation", {"_torch_compat", "_version", "_warm_start", "cache", "console", "formatting", "fixes"}),
+    ("console", {"console"}),  # what the command line shows: standard library only, set before anything imports
+    ("foundation", {"_torch_compat", "_version", "_warm_start", "cache", "formatting", "fixes"}),
     ("lightning internals", {"_lightning_compat"}),  # over torch's: the root-gather redirection
     ("parallel", {"parallel"}),
     ("precision", {"precision"}),
