@@ -6,6 +6,7 @@ does for Fabric:
 
 =================================  ==================================================================================
 :mod:`.strategy`                   ``FSDPCustomStrategy``: Lightning's strategy hooks, translated to the runtime
+:mod:`.root_steps`                 each step through the FSDP root's own call; no evaluation leaves the root gathered
 :mod:`.mesh_strategy`              processes, ranks, the data-parallel mesh and collectives (Lightning's hooks)
 :mod:`.precision`                  ``FSDP2Precision``: the Trainer's plugin over ``precision.PrecisionPolicy``
 :mod:`.resilience`                 the Trainer's adapter over ``resilience.Resilience``: callback, launcher, the

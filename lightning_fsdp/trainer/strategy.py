@@ -38,6 +38,7 @@ from lightning_fsdp.sharding.compile import CompileArg
 from lightning_fsdp.trainer import resilience as trainer_resilience
 from lightning_fsdp.trainer.averaging import refuse_unsharded_averaging
 from lightning_fsdp.trainer.mesh_strategy import MeshStrategy
+from lightning_fsdp.trainer.root_steps import RootForwardSteps
 from lightning_fsdp.trainer.precision import FSDP2Precision
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ TRAINER_WORDING = FixWording(
 )
 
 
-class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrategy):
+class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, RootForwardSteps, MeshStrategy):
     """Fully Sharded Data Parallel (FSDP2, ``fully_shard``) for any LightningModule, with no model changes.
 
     Args:
@@ -243,49 +244,6 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, MeshStrateg
         """This rank's local bytes of parameters, gradients and optimizer state."""
         assert self.model is not None
         return host_memory.local_state_bytes(self.model, [compat.unwrap_optimizer(o) for o in self.optimizers])
-
-    # -- steps ---------------------------------------------------------------------------------------------------------
-    @collective("{method} (FSDP parameter all-gathers in forward, or a collective in the step)", gate=False)
-    def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``LightningModule.<method>`` through the root's ``__call__`` so FSDP2's root hooks fire: the root's
-        pre-forward hook gathers its own parameters and casts inputs; Lightning would otherwise bypass it."""
-        assert self.model is not None and self.lightning_module is not None
-        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._step("training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._step("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._step("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._step("predict_step", *args, **kwargs)
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Accumulate gradients locally: no reduce-scatter until the last micro-batch (FSDP2 has no ``no_sync``)."""
-        from torch.distributed.fsdp import FSDPModule
-
-        if not isinstance(self.model, FSDPModule):
-            yield
-            return
-        self.model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
