@@ -25,24 +25,24 @@ a mid-epoch checkpoint resumes with the next pair at any world size.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
-from lightning_fsdp.data._loaders import SplitDataModule
 from lightning_fsdp.data.order import GlobalOrderSampler, data_parallel_rank
+from lightning_fsdp.data.prepared_splits import PreparedSplits, encode_splits
 from lightning_fsdp.cache import build_once, cache_root
 from lightning_fsdp.data.sft.module import check_model_fits, load_tokenizer
 from lightning_fsdp.data.sft.prepared import recipe_key
-from lightning_fsdp.data.sft.source import column_names, train_val_sources
+from lightning_fsdp.data.sft.source import column_names
 from lightning_fsdp.formatting import format_count as count
 from lightning_fsdp.loss import IGNORE_INDEX
 
@@ -173,24 +173,18 @@ def prepare_pairs(recipe: PairRecipe, encoder: PairEncoder, cache_root: Path, nu
 def _build_pairs(recipe: PairRecipe, encoder: PairEncoder, cache_root: Path, tmp: Path, num_proc: Optional[int]) -> None:
     import numpy as np
 
-    train_source, val_source = train_val_sources(recipe, cache_root / "sources")  # the SFT sets' split, same fields
-    stats: dict[str, Any] = {}
-    for split, data in {"train": train_source, "val": val_source}.items():
-        if not len(data):
-            stats[split] = {"pairs": 0, **{name: 0 for name in PairStatus.NAMES.values()}}
-            continue
-        encoded = data.map(encoder.encode_batch, batched=True, remove_columns=data.column_names, num_proc=num_proc,
-                           desc=f"Tokenizing {split} pairs")
+    def judge(split: str, data: Any, encoded: Any) -> tuple[dict[str, Any], list[int]]:
         statuses = np.asarray(encoded["status"], dtype=np.int64)
         counts = np.bincount(statuses, minlength=len(PairStatus.NAMES))
-        stats[split] = {"pairs": len(data), **{name: int(counts[c]) for c, name in PairStatus.NAMES.items()}}
-        kept = encoded.select(np.flatnonzero(statuses <= PairStatus.TRUNCATED).tolist())
-        if split == "train" and not len(kept):
-            raise ValueError(f"No preference pair is left to train on: {describe_pairs(stats[split])}."
+        stats = {"pairs": len(data), **{name: int(counts[c]) for c, name in PairStatus.NAMES.items()}}
+        keep = np.flatnonzero(statuses <= PairStatus.TRUNCATED).tolist()
+        if split == "train" and not keep:
+            raise ValueError(f"No preference pair is left to train on: {describe_pairs(stats)}."
                              f" Raise seq_len={recipe.seq_len}, or check that chosen and rejected differ.")
-        if len(kept):
-            kept.save_to_disk(str(tmp / split))
-    (tmp / "stats.json").write_text(json.dumps({**stats, "recipe": asdict(recipe)}, indent=2))
+        return stats, keep
+
+    empty = {"pairs": 0, **{name: 0 for name in PairStatus.NAMES.values()}}
+    encode_splits(recipe, encoder.encode_batch, cache_root / "sources", tmp, num_proc, "pairs", empty, judge)
 
 
 def describe_pairs(split_stats: Mapping[str, int]) -> str:
@@ -245,7 +239,7 @@ def collate_pairs(pairs: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, 
     return batch
 
 
-class PreferenceDataModule(SplitDataModule):
+class PreferenceDataModule(PreparedSplits):
     """Preference pairs from a file, folder or saved data set, tokenized by the model's own tokenizer.
 
     Args:
@@ -293,29 +287,18 @@ class PreferenceDataModule(SplitDataModule):
         self.pad_id = int(pad or 0)
         self.batch_size, self.seed, self.num_workers, self.num_proc = batch_size, int(seed), num_workers, num_proc
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else cache_root("preference")
-        self.stats: Optional[dict[str, Any]] = None
-        self._root: Optional[Path] = None
-        self.prepared_dir: Optional[Path] = None
 
-    def prepare_data(self) -> None:
-        self._root = prepare_pairs(self.recipe, self.encoder, self.cache_dir, self.num_proc)
+    @override
+    def prepare_root(self) -> Path:
+        return prepare_pairs(self.recipe, self.encoder, self.cache_dir, self.num_proc)
 
-    def setup(self, stage: Optional[str] = None) -> None:
-        if self.stats is not None:
-            return
-        import datasets
+    @override
+    def rows(self, tokenized: Any) -> PairRows:
+        return PairRows(tokenized)
 
-        root = self._root or prepare_pairs(self.recipe, self.encoder, self.cache_dir, self.num_proc)
-        self.stats = json.loads((root / "stats.json").read_text())
-        if self.trainer is None or self.trainer.is_global_zero:
-            print(f"Preference data: train {describe_pairs(self.stats['train'])}; val"
-                  f" {describe_pairs(self.stats['val'])}", flush=True)
-
-        def split(name: str) -> PairRows:
-            return PairRows(datasets.load_from_disk(str(root / name)) if (root / name).exists() else None)
-
-        self.train_set, self.val_set = split("train"), split("val")
-        self.prepared_dir = root
+    @override
+    def describe(self, stats: dict[str, Any]) -> str:
+        return f"Preference data: train {describe_pairs(stats['train'])}; val {describe_pairs(stats['val'])}"
 
     def reference_cache(self, model_key: str) -> Path:
         """Where the reference log-probabilities of these prepared pairs under the model ``model_key`` are kept:

@@ -20,18 +20,19 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 from lightning_fsdp.cache import build_once, cache_root
-from lightning_fsdp.data._loaders import SplitDataModule
 from lightning_fsdp.data.order import GlobalOrderSampler, data_parallel_rank
+from lightning_fsdp.data.prepared_splits import PreparedSplits, encode_splits
 from lightning_fsdp.data.sft.module import check_model_fits, load_tokenizer
 from lightning_fsdp.data.sft.prepared import recipe_key
-from lightning_fsdp.data.sft.source import column_names, train_val_sources
+from lightning_fsdp.data.sft.source import column_names
 
 log = logging.getLogger(__name__)
 
@@ -96,18 +97,11 @@ def prepare_prompts(recipe: PromptRecipe, encoder: PromptEncoder, root: Path, nu
 def _build(recipe: PromptRecipe, encoder: PromptEncoder, root: Path, tmp: Path, num_proc: Optional[int]) -> None:
     import numpy as np
 
-    stats: dict[str, Any] = {}
-    for split, data in zip(("train", "val"), train_val_sources(recipe, root / "sources")):
-        if not len(data):
-            stats[split] = {"prompts": 0, "kept": 0, "too_long": 0, "longest": 0}
-            continue
-        encoded = data.map(encoder.encode_batch, batched=True, remove_columns=data.column_names, num_proc=num_proc,
-                           desc=f"Tokenizing {split} prompts")
+    def judge(split: str, data: Any, encoded: Any) -> tuple[dict[str, Any], list[int]]:
         statuses = np.asarray(encoded["status"], dtype=np.int64)
         lengths = np.asarray(encoded["length"], dtype=np.int64)
         too_long = int((statuses == TOO_LONG).sum())
-        stats[split] = {"prompts": len(data), "kept": len(data) - too_long, "too_long": too_long,
-                        "longest": int(lengths.max())}
+        stats = {"prompts": len(data), "kept": len(data) - too_long, "too_long": too_long, "longest": int(lengths.max())}
         if too_long and recipe.long_prompts == "error":
             raise ValueError(
                 f"{too_long} of {len(data)} {split} prompts are longer than max_prompt_length="
@@ -115,12 +109,13 @@ def _build(recipe: PromptRecipe, encoder: PromptEncoder, root: Path, tmp: Path, 
                 " data.max_prompt_length (the model must hold prompt + max_completion_length tokens), shorten them,"
                 " or leave them out with data.long_prompts=drop."
             )
-        kept = encoded.select(np.flatnonzero(statuses == KEPT).tolist())
-        if split == "train" and not len(kept):
+        keep = np.flatnonzero(statuses == KEPT).tolist()
+        if split == "train" and not keep:
             raise ValueError(f"No training prompt fits max_prompt_length={recipe.max_prompt_length}.")
-        if len(kept):
-            kept.save_to_disk(str(tmp / split))
-    (tmp / "stats.json").write_text(json.dumps({**stats, "recipe": asdict(recipe)}, indent=2))
+        return stats, keep
+
+    empty = {"prompts": 0, "kept": 0, "too_long": 0, "longest": 0}
+    encode_splits(recipe, encoder.encode_batch, root / "sources", tmp, num_proc, "prompts", empty, judge)
 
 
 class PromptRows(Dataset):
@@ -211,7 +206,7 @@ class RolloutLoader(DataLoader):
         sampler.set_epoch(int(state["epoch"]))
 
 
-class PromptDataModule(SplitDataModule):
+class PromptDataModule(PreparedSplits):
     """Prompts (and the columns their rewards need) from a file, folder or saved data set.
 
     Args:
@@ -266,27 +261,22 @@ class PromptDataModule(SplitDataModule):
         self.batch_size, self.seed, self.num_workers, self.num_proc = batch_size, int(seed), num_workers, num_proc
         self.max_prompt_length = int(max_prompt_length)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else cache_root("prompts")
-        self.stats: Optional[dict[str, Any]] = None
-        self._root: Optional[Path] = None
 
-    def prepare_data(self) -> None:
-        self._root = prepare_prompts(self.recipe, self.encoder, self.cache_dir, self.num_proc)
+    @override
+    def prepare_root(self) -> Path:
+        return prepare_prompts(self.recipe, self.encoder, self.cache_dir, self.num_proc)
 
-    def setup(self, stage: Optional[str] = None) -> None:
-        if self.stats is not None:
-            return
-        import datasets
+    @override
+    def rows(self, tokenized: Any) -> PromptRows:
+        return PromptRows(tokenized)
 
-        root = self._root or prepare_prompts(self.recipe, self.encoder, self.cache_dir, self.num_proc)
-        self.stats = json.loads((root / "stats.json").read_text())
-        if self.stats["train"]["too_long"] and (self.trainer is None or self.trainer.is_global_zero):
-            log.warning("Prompts: %d of %d training prompts longer than max_prompt_length=%d were left out",
-                        self.stats["train"]["too_long"], self.stats["train"]["prompts"], self.max_prompt_length)
-
-        def split(name: str) -> PromptRows:
-            return PromptRows(datasets.load_from_disk(str(root / name)) if (root / name).exists() else None)
-
-        self.train_set, self.val_set = split("train"), split("val")
+    @override
+    def describe(self, stats: dict[str, Any]) -> Optional[str]:
+        train = stats["train"]
+        if not train["too_long"]:
+            return None
+        return (f"Prompts: {train['too_long']} of {train['prompts']} training prompts longer than"
+                f" max_prompt_length={self.max_prompt_length} were left out")
 
     def train_dataloader(self) -> DataLoader:
         """Rollout windows of this rank's prompts; the window is one optimizer step's (``accumulate_grad_batches``

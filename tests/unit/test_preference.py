@@ -82,14 +82,14 @@ def test_pairs_that_cannot_be_trained_are_dropped_with_their_reason(tokenizer):
     assert len(cut["prompt_ids"]) + len(cut["chosen_ids"]) == 24
 
 
-def test_the_data_module_counts_what_it_dropped_and_errs_when_nothing_is_left(chat_model, tmp_path, caplog):
+def test_the_data_module_counts_what_it_dropped_and_errs_when_nothing_is_left(chat_model, tmp_path, capsys):
     rows = [*ROWS, {"prompt": _user("a"), "chosen": _assistant("same"), "rejected": _assistant("same")}]
     data = PreferenceDataModule(write_jsonl(tmp_path / "p.jsonl", rows), chat_model, val_fraction=0.0, seq_len=64,
                                 batch_size=2, cache_dir=tmp_path / "cache")
     data.setup()
     assert data.stats is not None and data.stats["train"]["kept"] == 4
     assert data.stats["train"]["dropped (chosen equals rejected)"] == 1
-    assert "1 dropped (chosen equals rejected)" in caplog.text
+    assert "1 dropped (chosen equals rejected)" in capsys.readouterr().out
     batch = next(iter(data.train_dataloader()))
     assert batch["input_ids"].shape[0] == 4 and batch["pair_mask"].tolist() == [1.0, 1.0]
     same = [{"prompt": _user("a"), "chosen": _assistant("x"), "rejected": _assistant("x")}]
