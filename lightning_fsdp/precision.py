@@ -201,3 +201,17 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+class PolicyPlugin:
+    """What both front ends' FSDP2 precision plugins read off their :class:`PrecisionPolicy` (mixed in before
+    Lightning's or Fabric's ``Precision``)."""
+
+    policy: PrecisionPolicy
+
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        return self.policy.mp_policy
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return self.policy.convert_module(module)

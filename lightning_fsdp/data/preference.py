@@ -38,10 +38,9 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_fsdp.data.order import GlobalOrderSampler, data_parallel_rank
-from lightning_fsdp.data.prepared_splits import PreparedSplits, encode_splits
-from lightning_fsdp.cache import build_once, cache_root
+from lightning_fsdp.data.prepared_splits import PreparedSplits, SplitSources, encode_splits, prepare_splits
+from lightning_fsdp.cache import cache_root
 from lightning_fsdp.data.sft.module import check_model_fits, load_tokenizer
-from lightning_fsdp.data.sft.prepared import recipe_key
 from lightning_fsdp.data.sft.source import column_names
 from lightning_fsdp.formatting import format_count as count
 from lightning_fsdp.loss import IGNORE_INDEX
@@ -154,11 +153,7 @@ class PairEncoder:
 
 
 @dataclass(frozen=True)
-class PairRecipe:
-    path: str
-    val_path: Optional[str]
-    val_fraction: float
-    seed: int
+class PairRecipe(SplitSources):
     fmt: str
     seq_len: int
     chat_template: Optional[str]
@@ -166,8 +161,8 @@ class PairRecipe:
 
 def prepare_pairs(recipe: PairRecipe, encoder: PairEncoder, cache_root: Path, num_proc: Optional[int] = None) -> Path:
     """The prepared directory for ``recipe`` (tokenized, filtered pairs per split and their counts), built once."""
-    root = cache_root / f"pairs-{recipe_key(recipe, encoder.tokenizer, PAIR_ENCODING_VERSION)}"
-    return build_once(root, lambda out: _build_pairs(recipe, encoder, cache_root, out, num_proc), complete="stats.json")
+    return prepare_splits("pairs", recipe, encoder.tokenizer, PAIR_ENCODING_VERSION, cache_root,
+                          lambda out: _build_pairs(recipe, encoder, cache_root, out, num_proc))
 
 
 def _build_pairs(recipe: PairRecipe, encoder: PairEncoder, cache_root: Path, tmp: Path, num_proc: Optional[int]) -> None:

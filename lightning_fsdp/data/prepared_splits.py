@@ -11,20 +11,40 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from torch.utils.data import Dataset
 
+from lightning_fsdp.cache import build_once
 from lightning_fsdp.data._loaders import SplitDataModule
+from lightning_fsdp.data.sft.prepared import recipe_key
 from lightning_fsdp.data.sft.source import train_val_sources
 
-__all__ = ["PreparedSplits", "encode_splits"]
+__all__ = ["PreparedSplits", "SplitSources", "encode_splits", "prepare_splits"]
 
 #: ``judge(split, source rows, encoded rows) -> (the split's stats, indices of the encoded rows to keep)``; it raises
 #: to refuse the data
 Judge = Callable[[str, Any, Any], tuple[dict[str, Any], Sequence[int]]]
+
+
+@dataclass(frozen=True)
+class SplitSources:
+    """Where a recipe's rows come from: ``path``, and ``val_path`` or a seeded ``val_fraction`` of it held out
+    (the recipes of each data kind add their own fields)."""
+
+    path: str
+    val_path: Optional[str]
+    val_fraction: float
+    seed: int
+
+
+def prepare_splits(prefix: str, recipe: Any, tokenizer: Any, version: int, cache_root: Path,
+                   build: Callable[[Path], None]) -> Path:
+    """The prepared directory of ``recipe`` under ``cache_root`` (named ``prefix-<key>``: the recipe, the tokenizer
+    and the encoding ``version``), built by ``build(folder)`` once."""
+    return build_once(cache_root / f"{prefix}-{recipe_key(recipe, tokenizer, version)}", build, complete="stats.json")
 
 
 def encode_splits(recipe: Any, encode_batch: Callable[[dict[str, list[Any]]], dict[str, list[Any]]], sources_root: Path,

@@ -27,11 +27,10 @@ from typing import Any, Optional, Union
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_fsdp.cache import build_once, cache_root
+from lightning_fsdp.cache import cache_root
 from lightning_fsdp.data.order import GlobalOrderSampler, data_parallel_rank
-from lightning_fsdp.data.prepared_splits import PreparedSplits, encode_splits
+from lightning_fsdp.data.prepared_splits import PreparedSplits, SplitSources, encode_splits, prepare_splits
 from lightning_fsdp.data.sft.module import check_model_fits, load_tokenizer
-from lightning_fsdp.data.sft.prepared import recipe_key
 from lightning_fsdp.data.sft.source import column_names
 
 log = logging.getLogger(__name__)
@@ -78,11 +77,7 @@ class PromptEncoder:
 
 
 @dataclass(frozen=True)
-class PromptRecipe:
-    path: str
-    val_path: Optional[str]
-    val_fraction: float
-    seed: int
+class PromptRecipe(SplitSources):
     max_prompt_length: int
     long_prompts: str
     chat_template: Optional[str]
@@ -90,8 +85,8 @@ class PromptRecipe:
 
 def prepare_prompts(recipe: PromptRecipe, encoder: PromptEncoder, root: Path, num_proc: Optional[int] = None) -> Path:
     """The prepared directory for ``recipe`` (tokenized prompts per split and their counts), built once."""
-    target = root / f"prompts-{recipe_key(recipe, encoder.tokenizer, PROMPT_ENCODING_VERSION)}"
-    return build_once(target, lambda out: _build(recipe, encoder, root, out, num_proc), complete="stats.json")
+    return prepare_splits("prompts", recipe, encoder.tokenizer, PROMPT_ENCODING_VERSION, root,
+                          lambda out: _build(recipe, encoder, root, out, num_proc))
 
 
 def _build(recipe: PromptRecipe, encoder: PromptEncoder, root: Path, tmp: Path, num_proc: Optional[int]) -> None:

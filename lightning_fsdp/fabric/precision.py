@@ -9,7 +9,7 @@ Fabric's own plugins return them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
@@ -19,16 +19,13 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fsdp.precision import MixedPrecisionArg, PrecisionPolicy, adopt_plugin
-
-if TYPE_CHECKING:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+from lightning_fsdp.precision import MixedPrecisionArg, PolicyPlugin, PrecisionPolicy, adopt_plugin
 
 #: the plugins Fabric builds for ``Fabric(precision=...)`` with a strategy it does not know; replaced by ours
 _FABRIC_GENERIC_PLUGINS = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
 
 
-class FSDP2FabricPrecision(Precision):
+class FSDP2FabricPrecision(PolicyPlugin, Precision):
     """Fabric's precision plugin for the ``fsdp_custom`` strategies (``16-mixed``: a ``ShardedGradScaler``)."""
 
     def __init__(self, precision: Any = "32-true", mixed_precision: MixedPrecisionArg = None, scaler: Any = None) -> None:
@@ -41,13 +38,6 @@ class FSDP2FabricPrecision(Precision):
         """Ours for Fabric's generic plugin (what ``Fabric(precision=...)`` builds), or a clear TypeError."""
         return adopt_plugin(cls, plugin, _FABRIC_GENERIC_PLUGINS, mixed_precision, owner, "Fabric(precision=...)")
 
-    @property
-    def mp_policy(self) -> MixedPrecisionPolicy:
-        return self.policy.mp_policy
-
-    @override
-    def convert_module(self, module: Module) -> Module:
-        return self.policy.convert_module(module)
 
     @override
     def tensor_init_context(self) -> Any:

@@ -3,7 +3,7 @@ the dtype policy goes into ``fully_shard``; this plugin adds loss scaling and cl
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
@@ -12,16 +12,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.parallel.grad_norm import StepGradNorm, clip_grad_norm_
-from lightning_fsdp.precision import MixedPrecisionArg, PrecisionPolicy, PrecisionSpec, adopt_plugin
-
-if TYPE_CHECKING:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+from lightning_fsdp.precision import MixedPrecisionArg, PolicyPlugin, PrecisionPolicy, PrecisionSpec, adopt_plugin
 
 #: the plugins Lightning builds for ``Trainer(precision=...)``; the strategy replaces them with its own
 _LIGHTNING_GENERIC_PLUGINS = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
 
 
-class FSDP2Precision(Precision):
+class FSDP2Precision(PolicyPlugin, Precision):
     """The Trainer's precision plugin for FSDP2: the dtype policy goes into ``fully_shard``; this plugin handles the rest.
 
     - ``*-mixed``: fp32 sharded master weights, low-precision all-gather and compute; autocast stays on so
@@ -55,10 +52,6 @@ class FSDP2Precision(Precision):
         return self.policy.spec
 
     @property
-    def mp_policy(self) -> MixedPrecisionPolicy:
-        return self.policy.mp_policy
-
-    @property
     def compute_dtype(self) -> torch.dtype:
         return self.policy.compute_dtype
 
@@ -67,10 +60,6 @@ class FSDP2Precision(Precision):
         return self.policy.is_mixed
 
     # -- module and tensor dtypes --------------------------------------------------------------------------------
-    @override
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return self.policy.convert_module(module)
-
     @override
     def tensor_init_context(self):
         return self.policy.init_context()
