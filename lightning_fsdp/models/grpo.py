@@ -42,7 +42,14 @@ from lightning_fsdp.loss.chunked import token_log_probs
 from lightning_fsdp.loss.grpo import LOSS_TYPES, SCALE_REWARDS, aggregate, group_advantages, token_losses
 from lightning_fsdp.models.hf_causal_lm import HFCausalLM
 from lightning_fsdp.models.reference import ReferenceModel, frozen_copy
-from lightning_fsdp.models.rollout import Rollout, RolloutPart, build_part, reward_arguments
+from lightning_fsdp.models.rollout import (
+    Rollout,
+    RolloutPart,
+    build_part,
+    collect_metric,
+    reward_arguments,
+    rollout_metrics,
+)
 from lightning_fsdp.parallel.collectives import all_gather_object
 from lightning_fsdp.rewards import RewardFunctions
 
@@ -219,7 +226,7 @@ class HFGRPOLM(HFCausalLM):
         texts = [data.decode(ids) for ids in done.ids]
         logged: dict[str, float] = {}
         arguments = reward_arguments(rows, texts, done.ids, group)
-        columns: dict[str, Any] = {**arguments[3], "log_metric": _collect(logged)}  # TRL's hook for reward metrics
+        columns: dict[str, Any] = {**arguments[3], "log_metric": collect_metric(logged)}  # TRL's hook for reward metrics
         scores = self.rewards.score(*arguments[:3], columns)
         everyone = all_gather_object((scores, [len(c) for c in done.ids], done.stopped, done.tokens, done.seconds))
         every_score = torch.cat([s for s, *_ in everyone])
@@ -234,7 +241,7 @@ class HFGRPOLM(HFCausalLM):
                               local_advantages[window], pad_id=data.pad_id, num_generations=group,
                               mask_truncated=bool(h["mask_truncated_completions"])).to(device)
             built.append(self._score_part(part))
-        metrics = _rollout_metrics(self.rewards, every_score, zero_std, everyone, logged)
+        metrics = rollout_metrics(self.rewards, every_score, zero_std, everyone, logged)
         return Rollout(window_id, built, metrics, done)
 
     @torch.no_grad()
@@ -311,39 +318,6 @@ class HFGRPOLM(HFCausalLM):
     @override
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """Held-out prompts are scored by :class:`~lightning_fsdp.callbacks.HeldOutRewards` (generation, not loss)."""
-
-
-def _collect(into: dict[str, float]) -> Callable[[str, float], None]:
-    def log_metric(name: str, value: float) -> None:
-        into[name] = into.get(name, 0.0) + float(value)
-
-    return log_metric
-
-
-def _rollout_metrics(rewards: RewardFunctions, scores: Tensor, zero_std: Tensor, everyone: list[Any],
-                     logged: dict[str, float]) -> dict[str, float]:
-    """TRL's rollout metrics over every rank's completions."""
-    total = rewards.total(scores)
-    lengths = torch.tensor([n for _, counts, *_ in everyone for n in counts], dtype=torch.float32)
-    stopped = torch.tensor([s for _, _, flags, *_ in everyone for s in flags], dtype=torch.bool)
-    tokens = sum(t for *_, t, _ in everyone)
-    seconds = max(s for *_, s in everyone)
-    metrics = {"reward": float(torch.nanmean(total)), "reward_std": float(_std(total)),
-               "frac_reward_zero_std": float(zero_std.float().mean()),
-               "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
-               "completions/min_length": float(lengths.min()),
-               "completions/clipped_ratio": float((~stopped).float().mean()),
-               "rollout/tokens_per_second": tokens / max(seconds, 1e-9)}
-    for j, name in enumerate(rewards.names):
-        metrics[f"rewards/{name}/mean"] = float(torch.nanmean(scores[:, j]))
-        metrics[f"rewards/{name}/std"] = float(_std(scores[:, j]))
-    metrics.update({name: value for name, value in logged.items()})
-    return metrics
-
-
-def _std(values: Tensor) -> Tensor:
-    kept = values[~torch.isnan(values)]
-    return kept.std() if kept.numel() > 1 else torch.zeros(())
 
 
 def _check_settings(num_generations: int, max_completion_length: int, temperature: float, loss_type: str,

@@ -8,7 +8,7 @@ log-probabilities. Rewards are called once for the whole window (:func:`reward_a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -16,8 +16,10 @@ import torch
 from torch import Tensor
 
 from lightning_fsdp.loss import IGNORE_INDEX
+from lightning_fsdp.rewards import RewardFunctions
 
-__all__ = ["Rollout", "RolloutPart", "build_part", "completion_messages", "reward_arguments"]
+__all__ = ["Rollout", "RolloutPart", "build_part", "collect_metric", "completion_messages", "reward_arguments",
+           "rollout_metrics"]
 
 
 @dataclass
@@ -107,3 +109,38 @@ def reward_arguments(rows: Sequence[dict[str, Any]], texts: Sequence[str], compl
     names = sorted({k for row in rows for k in row["columns"]})
     columns = {k: [row["columns"].get(k) for row in rows for _ in range(num_generations)] for k in names}
     return prompts, completions, [list(c) for c in completion_ids], columns
+
+
+def collect_metric(into: dict[str, float]) -> Callable[[str, float], None]:
+    """TRL's ``log_metric`` hook handed to reward functions: values summed into ``into`` by name."""
+
+    def log_metric(name: str, value: float) -> None:
+        into[name] = into.get(name, 0.0) + float(value)
+
+    return log_metric
+
+
+def rollout_metrics(rewards: RewardFunctions, scores: Tensor, zero_std: Tensor, everyone: list[Any],
+                     logged: dict[str, float]) -> dict[str, float]:
+    """TRL's rollout metrics over every rank's completions."""
+    total = rewards.total(scores)
+    lengths = torch.tensor([n for _, counts, *_ in everyone for n in counts], dtype=torch.float32)
+    stopped = torch.tensor([s for _, _, flags, *_ in everyone for s in flags], dtype=torch.bool)
+    tokens = sum(t for *_, t, _ in everyone)
+    seconds = max(s for *_, s in everyone)
+    metrics = {"reward": float(torch.nanmean(total)), "reward_std": float(_std(total)),
+               "frac_reward_zero_std": float(zero_std.float().mean()),
+               "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
+               "completions/min_length": float(lengths.min()),
+               "completions/clipped_ratio": float((~stopped).float().mean()),
+               "rollout/tokens_per_second": tokens / max(seconds, 1e-9)}
+    for j, name in enumerate(rewards.names):
+        metrics[f"rewards/{name}/mean"] = float(torch.nanmean(scores[:, j]))
+        metrics[f"rewards/{name}/std"] = float(_std(scores[:, j]))
+    metrics.update({name: value for name, value in logged.items()})
+    return metrics
+
+
+def _std(values: Tensor) -> Tensor:
+    kept = values[~torch.isnan(values)]
+    return kept.std() if kept.numel() > 1 else torch.zeros(())

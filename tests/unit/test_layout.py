@@ -16,6 +16,8 @@ import torch
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_fsdp"
 MAX_LINES = 400
+#: a module this close to the limit is split by concern before a feature forces a hurried cut
+HEADROOM = 20
 
 #: lowest first; each entry is the top-level modules/packages of one layer
 LAYERS: list[tuple[str, set[str]]] = [
@@ -84,7 +86,9 @@ def test_every_module_is_in_a_layer():
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_module_is_small(path):
     lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{path.name} has {lines} lines; split it by responsibility (limit {MAX_LINES})"
+    assert lines <= MAX_LINES - HEADROOM, (
+        f"{path.name} has {lines} lines; split it by responsibility (limit {MAX_LINES}, kept {HEADROOM} lines clear)"
+    )
 
 
 def test_imports_only_point_down():
