@@ -18,6 +18,8 @@ setup() {
     "$PYTHON" -m venv "$VENV"
   fi
   local stamp="$VENV/.installed-$(cat pyproject.toml run.sh | cksum | cut -d' ' -f1)"
+  # setuptools reminds every editable install that a same-named folder could shadow the package: not a problem here
+  export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:Editable installation:UserWarning}"
   if [ ! -f "$stamp" ]; then
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     "$VENV/bin/python" -m pip install --quiet "$TORCH_SPEC"
