@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "seal": ("lightning_fsdp.commands.seal", "make a DCP checkpoint another tool wrote loadable: check, hash, manifest"),
     "import": ("lightning_fsdp.commands.import_gguf", "a GGUF model file → a Hugging Face model directory"),
     "chat": ("lightning_fsdp.commands.chat", "talk to a model: a HF directory, an export, a GGUF file or a checkpoint"),
+    "eval": ("lightning_fsdp.commands.eval", "lm-eval tasks on a HF directory or GGUF file, sharded over the ranks"),
 }
 
 

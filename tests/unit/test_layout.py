@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("memory", {"memory"}),
     ("host heap", {"host_heap"}),  # the heap policy both front ends apply (release_host_memory)
     ("generation", {"generation"}),  # decoding on sharded models: held-out answers, chat, rollouts, lm-eval
+    ("evaluation", {"evaluation"}),  # lm-eval's tasks scored on the sharded model
     ("checkpoint", {"checkpoint"}),
     ("resilience", {"resilience"}),
     ("integrations", {"hf"}),
@@ -159,7 +160,7 @@ TRAINER_FRONT_END = {"trainer"}
 TRAINER_USERS = TRAINER_FRONT_END | {"registry", "cli", "train", "train_config", "models", "data", "commands", "callbacks",
                                      "__init__"}
 FABRIC_FRONT_END = {"fabric"}
-FABRIC_USERS = FABRIC_FRONT_END | {"registry"}
+FABRIC_USERS = FABRIC_FRONT_END | {"registry", "commands"}  # `eval` shards its model through Fabric
 
 
 def _speaks(name: str) -> str:

@@ -132,3 +132,19 @@ def write_docstring_preferences(dir: Union[str, Path], held_out_every: int = 10)
             (tmp / f"{split}.jsonl").write_text("".join(lines))
 
     return write_directory_once(Path(dir), "val.jsonl", fill)
+
+
+def held_out_eval_rows(count: int = 60, held_out_every: int = 10, choices: int = 4) -> list[dict[str, Any]]:
+    """lm-eval rows over the held-out functions of :func:`write_docstring_chat` (never trained on): ``name``,
+    ``answer`` (the docstring's first paragraph), and ``choices``/``gold`` (the function's name among ``choices - 1``
+    other held-out functions of other modules, in a seeded order). The first ``count``, spread over the modules."""
+    held = [(n, a) for n, a in docstring_pairs() if _is_held_out(n, held_out_every)]
+    rng = random.Random(0)
+    rng.shuffle(held)
+    rows = []
+    for name, answer in held[:count]:
+        others = [n for n, _ in held if n.rsplit(".", 1)[0] != name.rsplit(".", 1)[0]]
+        options = rng.sample(others, choices - 1) + [name]
+        rng.shuffle(options)
+        rows.append({"name": name, "answer": answer, "choices": options, "gold": options.index(name)})
+    return rows
