@@ -45,6 +45,8 @@ __all__ = ["TASKS_DIR", "ShardedLM", "check_offline", "check_task_folder", "chec
 
 #: the package's own tasks (lm-eval YAML over local rows): always on lm-eval's task path
 TASKS_DIR = Path(__file__).with_name("tasks")
+#: (tokenizer, vocabulary size, stop sequences) → the tokens whose text holds one of them
+_STOP_TOKENS: dict[tuple[Any, ...], tuple[int, ...]] = {}
 
 
 @contextmanager
@@ -155,7 +157,8 @@ class ShardedLM(HFLM):
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_gen_toks = int(kwargs.pop("max_gen_toks"))
             prompts = [self._context_ids(pooled[i][0], self.max_length - max_gen_toks) for i in members]
-            done = generate_on_ranks(self.root, self.model, prompts, _sampling(kwargs, max_gen_toks, self._stop_ids()),
+            stop_ids = self._stop_ids() + self._stop_sequence_tokens(tuple(until))
+            done = generate_on_ranks(self.root, self.model, prompts, _sampling(kwargs, max_gen_toks, stop_ids),
                                      pad_id=self._pad_id(), mode=self.rollout_mode, batch_size=self.batch_size,
                                      device=self.device)
             for k, i in enumerate(members):
@@ -173,6 +176,18 @@ class ShardedLM(HFLM):
         config = getattr(self.model, "generation_config", None)
         eos = getattr(config, "eos_token_id", None)
         return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+
+    def _stop_sequence_tokens(self, until: tuple[str, ...]) -> tuple[int, ...]:
+        """The tokens whose text holds a stop sequence (``"\\n"``: every token with a line break): a row ends at the
+        first, so decoding stops where lm-eval cuts the text anyway (the cut keeps the same prefix). Special tokens
+        are left out: lm-eval's text drops them before it cuts."""
+        key = (self.tokenizer.name_or_path, len(self.tokenizer), until)
+        if key not in _STOP_TOKENS:  # a scan of the vocabulary (0.5 s at 49k tokens): once per process
+            special = set(self.tokenizer.all_special_ids)
+            texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+            _STOP_TOKENS[key] = tuple(i for i, text in enumerate(texts)
+                                      if i not in special and any(s and s in text for s in until))
+        return _STOP_TOKENS[key]
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
