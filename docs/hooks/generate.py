@@ -45,7 +45,8 @@ API_PACKAGES = {
     "lightning_fsdp.models": "Models: Hugging Face causal LMs for SFT, DPO/SimPO and GRPO, the GPT and CNN examples",
     "lightning_fsdp.data": "Data modules: your SFT files, preference pairs, prompts, the example corpora",
     "lightning_fsdp.loss": "Losses that do not depend on the batch split, and the chunked loss",
-    "lightning_fsdp.callbacks": "Callbacks: held-out answers, preferences and rewards, the loss curve, EMA, the memory report",
+    "lightning_fsdp.callbacks": "Callbacks: held-out answers, preferences and rewards, lm-eval tasks, the loss curve, EMA, the memory report",
+    "lightning_fsdp.evaluation.harness": "lm-evaluation-harness tasks on the sharded model",
     "lightning_fsdp.trainer": "The Trainer front end's pieces: precision plugin, EMA, memory report, safe checkpoint on exception",
     "lightning_fsdp.rewards": "Reward functions for GRPO, and code run with limits",
     "lightning_fsdp.planner": "The memory planner behind `lightning-fsdp estimate`",
@@ -511,8 +512,10 @@ def cli_reference() -> str:
 
 # -- the API reference -------------------------------------------------------------------------------------------------
 def public_names(package: str) -> list[str]:
-    """A package's ``__all__``, read without importing it."""
+    """A package's (or module's) ``__all__``, read without importing it."""
     init = ROOT / Path(*package.split(".")) / "__init__.py"
+    if not init.is_file():
+        init = (ROOT / Path(*package.split("."))).with_suffix(".py")
     tree = ast.parse(init.read_text(encoding="utf-8"))
     for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []

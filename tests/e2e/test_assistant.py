@@ -52,6 +52,8 @@ def test_the_default_job_turns_the_real_model_into_a_documentation_assistant(tmp
     assert gguf.stat().st_size > 200 * 2**20 and f"wrote {gguf} (" in proc.stdout + proc.stderr
     assert "Epoch 0 " in proc.stdout + proc.stderr and "Epoch 0/-2" not in proc.stdout + proc.stderr  # the bar
     assert foreign_lines(proc.stdout + "\n" + proc.stderr) == []  # no other library's warnings, tips or bars
+    # an lm-eval task scored on the shards before and after
+    assert {"eval/python_docstring_choice/acc"} <= set(metrics) and "lm-eval before and after training" in proc.stdout
 
 
 SPLITS = {  # the same global batch of 4 rows per step
