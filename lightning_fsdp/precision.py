@@ -208,10 +208,19 @@ class PolicyPlugin:
     Lightning's or Fabric's ``Precision``)."""
 
     policy: PrecisionPolicy
+    scaler: Any  # a gradient scaler (fp16), or None
 
     @property
     def mp_policy(self) -> MixedPrecisionPolicy:
         return self.policy.mp_policy
+
+    def state_dict(self) -> dict[str, Any]:
+        """The gradient scaler's state, saved with checkpoints (empty without fp16)."""
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return self.policy.convert_module(module)

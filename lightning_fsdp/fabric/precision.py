@@ -81,11 +81,3 @@ class FSDP2FabricPrecision(PolicyPlugin, Precision):
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None and state_dict:
-            self.scaler.load_state_dict(state_dict)

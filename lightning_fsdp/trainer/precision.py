@@ -105,11 +105,3 @@ class FSDP2Precision(PolicyPlugin, Precision):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         clip_grad_norm_(params, float(clip_val), total_norm=self.grad_norm.get(params))
 
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None and state_dict:
-            self.scaler.load_state_dict(state_dict)
