@@ -41,23 +41,32 @@ def model_dir(tmp_path_factory) -> Path:
     return root / "model"
 
 
+_HF_BACKEND = r"""
+import json, sys
+import lm_eval
+from lm_eval.models.huggingface import HFLM
+from lightning_fsdp.evaluation.harness import task_manager
+model_dir, tasks, limit, out = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), sys.argv[4]
+results = lm_eval.simple_evaluate(model=HFLM(pretrained=model_dir, device="cpu", batch_size=4), tasks=tasks,
+                                  limit=limit, task_manager=task_manager(tasks=tasks), bootstrap_iters=0,
+                                  log_samples=True)
+json.dump({
+    "metrics": {task: {k: v for k, v in r.items() if "," in k and "stderr" not in k}
+                for task, r in results["results"].items()},
+    "samples": {task: [s["resps"] for s in sorted(rows, key=lambda s: s["doc_id"])]
+                for task, rows in results["samples"].items()},
+}, open(out, "w"))
+"""
+
+
 @pytest.fixture(scope="module")
-def hf_backend(model_dir) -> dict[str, Any]:
-    """lm-eval's own Hugging Face backend, one process, the whole model."""
-    import lm_eval
-    from lm_eval.models.huggingface import HFLM
-
-    from lightning_fsdp.evaluation.harness import task_manager
-
-    results = lm_eval.simple_evaluate(model=HFLM(pretrained=str(model_dir), device="cpu", batch_size=4), tasks=TASKS,
-                                      limit=LIMIT, task_manager=task_manager(tasks=TASKS), bootstrap_iters=0,
-                                      log_samples=True)
-    return {
-        "metrics": {task: {k: v for k, v in r.items() if "," in k and "stderr" not in k}
-                    for task, r in results["results"].items()},
-        "samples": {task: [s["resps"] for s in sorted(rows, key=lambda s: s["doc_id"])]
-                    for task, rows in results["samples"].items()},
-    }
+def hf_backend(model_dir, tmp_path_factory) -> dict[str, Any]:
+    """lm-eval's own Hugging Face backend, one process, the whole model: in a fresh interpreter, as its users run
+    it (its accelerate state must not meet another test's)."""
+    out = tmp_path_factory.mktemp("hf") / "out.json"
+    proc = run_python(["-c", _HF_BACKEND, str(model_dir), ",".join(TASKS), str(LIMIT), str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
