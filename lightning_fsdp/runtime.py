@@ -285,6 +285,11 @@ class RuntimeHolder:
         return self.runtime.checkpointer
 
     @property
+    def release_host_memory(self) -> Optional[bool]:
+        """The ``release_host_memory`` argument as given (``None``: on where parameters live in host memory)."""
+        return self.runtime.host_heap.requested
+
+    @property
     def releases_host_memory(self) -> bool:
         """Whether each optimizer step ends by returning the host heap's free pages (``release_host_memory``)."""
         return self.runtime.host_heap.applies(self._params_on_host)

@@ -135,7 +135,6 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
         self.pretrained_key_map = dict(pretrained_key_map) if pretrained_key_map else None
         self.model_options()  # invalid policies fail now, before any process starts
         self.num_nodes = 1
-        self.release_host_memory = release_host_memory
         self.runtime = ShardedRuntime(process_group.as_timedelta(timeout), wording=FABRIC_WORDING,
                                       release_host_memory=release_host_memory)
         #: failures between ranks, as under the Trainer: the relay, preemption signals, named collective timeouts

@@ -146,7 +146,6 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, RootForward
         self.auto_wrap_policy = auto_wrap_policy
         self.activation_checkpointing_policy = activation_checkpointing_policy
         self.cpu_offload = bool(cpu_offload)
-        self.release_host_memory = release_host_memory
         self.reshard_after_forward = reshard_after_forward
         self.compile = compile
         self.quantize_base = quantize_base
