@@ -119,9 +119,15 @@ def _convert(path: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
+    from transformers import modeling_gguf_pytorch_utils as gguf_reader
+
+    from lightning_fsdp.console import is_verbose
+
+    verbosity, bars, reader_bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled(), gguf_reader.tqdm
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    if not is_verbose():  # its reader draws a bar of its own, past transformers' switch; this step reports itself
+        gguf_reader.tqdm = functools.partial(reader_bar, disable=True)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -129,7 +135,9 @@ def _convert(path: Path, out: Path) -> None:
         raise GGUFError(f"transformers could not read {path}: {err}") from err
     finally:
         hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
+        gguf_reader.tqdm = reader_bar
+        if bars:  # as it was: the console may have turned bars off for the whole job
+            hf_logging.enable_progress_bar()
     # what transformers read is plain fp32 now; without these it refuses to save ("quantized with gguf")
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
