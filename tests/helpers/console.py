@@ -18,4 +18,5 @@ _FOREIGN = [
 def foreign_lines(text: str) -> list[str]:
     """The lines of ``text`` (a job's stdout and stderr) that another library printed."""
     lines = [part for line in text.splitlines() for part in line.split("\r")]
-    return [line for line in lines if any(p.search(line) for p in _FOREIGN)]
+    ours = re.compile(r"^\[[^\]]*\]\[lightning_fsdp[\w.]*\]")  # the project's own log records, whatever paths they name
+    return [line for line in lines if not ours.search(line) and any(p.search(line) for p in _FOREIGN)]
