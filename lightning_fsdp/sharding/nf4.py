@@ -133,13 +133,38 @@ def quantize_rows(rows: torch.Tensor, mean: torch.Tensor) -> dict[str, torch.Ten
     n_scaler_blocks = absmax.numel() // SCALER_BLOCK_SIZE
     factors = 256 / (2 * ao.get_block_absmax(absmax, SCALER_BLOCK_SIZE).unsqueeze(-1).expand(n_scaler_blocks, SCALER_BLOCK_SIZE))
     scalers = (absmax.view(n_scaler_blocks, SCALER_BLOCK_SIZE) * factors).round().clamp(-128, 127)
-    data = ao.NF4Tensor.convert_to_norm_float_weight(rows, rows.numel() // BLOCK_SIZE, BLOCK_SIZE, _levels(rows.device))
+    data = _level_codes(rows)
     return {
         "quantized_scalers": scalers.flatten().to(torch.int8),
         "quantization_factor": factors[:, 0].contiguous(),
         "quantized_data": data,
         "scaler_mean": mean,
     }
+
+
+#: elements per step of the nearest-level search, at most (torchao's own chunk)
+MAX_CODE_STEP = 1024**2
+#: the search compares every element with all 16 levels: steps of 1/32 of the rows keep that workspace below the
+#: rows' own bf16 bytes, so quantizing adds about one copy of the rows at any size
+CODE_STEPS = 32
+
+
+def _level_codes(rows: torch.Tensor) -> torch.Tensor:
+    """The packed 4-bit level indices of ``rows`` (two per byte), equal to torchao's ``convert_to_norm_float_weight``
+    but searched in steps bounded by the rows' size (torchao's fixed 1M-element chunk costs 16× that in workspace,
+    which dominates a small weight's load)."""
+    ao = _torchao()
+    flat = rows.flatten()
+    scales = ao.get_block_absmax(flat, BLOCK_SIZE)
+    levels = _levels(rows.device)
+    packed = torch.empty(flat.numel() // 2, dtype=torch.uint8, device=flat.device)
+    step = min(MAX_CODE_STEP, max(BLOCK_SIZE, flat.numel() // CODE_STEPS // BLOCK_SIZE * BLOCK_SIZE))
+    for start in range(0, flat.numel(), step):
+        stop = min(start + step, flat.numel())
+        blocks = flat[start:stop].view(-1, BLOCK_SIZE) / scales[start // BLOCK_SIZE : stop // BLOCK_SIZE].unsqueeze(-1)
+        codes = ao.NF4Tensor.quantize_tensor_nearest(blocks.flatten(), levels).to(torch.uint8)
+        packed[start // 2 : stop // 2] = codes[::2] << 4 | codes[1::2]
+    return packed
 
 
 def write(target: Any, fields: dict[str, torch.Tensor]) -> None:

@@ -60,7 +60,8 @@ def sharded(base, reference, tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
     spec = _spec(base, 2, checkpoint_dir=str(root / "ckpt"),
                  checkpoint_kwargs={"every_n_train_steps": 3, "save_top_k": -1}, probe_sharded_load=str(base))
-    return root, train(spec, root, "sharded", timeout=300)
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # every large buffer mapped and unmapped: the load's peaks are visible
+    return root, train(spec, root, "sharded", timeout=300, env=env)
 
 
 def _quantized_keys(result) -> list[str]:
