@@ -42,6 +42,7 @@ from lightning_fsdp._torch_compat.init import (
 from lightning_fsdp._torch_compat.kernels import (
     compile_errors,
     compiled_graph_count,
+    flash_attention_blocks,
     foreach_copy_,
     foreach_lerp_,
     foreach_mul_,
@@ -50,7 +51,7 @@ from lightning_fsdp._torch_compat.kernels import (
 
 __all__ = [
     "TESTED_TORCH", "DispatchHandler", "FastPathLost", "compile_errors", "compiled_graph_count", "composable_checkpoint",
-    "dcp_metadata_path", "dcp_set_element", "dcp_unpickle_allowlist", "default_store", "fast_paths", "foreach_copy_",
+    "dcp_metadata_path", "dcp_set_element", "dcp_unpickle_allowlist", "default_store", "fast_paths", "flash_attention_blocks", "foreach_copy_",
     "foreach_lerp_", "foreach_mul_", "fsdp_default_comms", "has_forward_hooks", "hf_init_weights", "hf_storage_info",
     "hold_gathered", "intercept_dispatch", "keep_root_gathered", "load_in_place", "private_reset_parameters",
     "reset_sharded_params", "spectral_norm_vectors", "storage_holders", "swaps_on_conversion", "use_file_system",

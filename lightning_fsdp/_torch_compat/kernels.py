@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Union
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -62,6 +62,32 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+# -- attention blocks -------------------------------------------------------------------------------------------------
+_CPU_FLASH = "_scaled_dot_product_flash_attention_for_cpu"
+
+
+def flash_attention_blocks() -> Optional[tuple[Callable[..., Any], Callable[..., Any]]]:
+    """torch's CPU flash-attention forward and backward as ``(q, k, v, causal, mask, scale) -> (out, lse)`` and
+    ``(dout, q, k, v, out, lse, causal, mask, scale) -> (dq, dk, dv)``: ring attention's blocks with their
+    log-sum-exp, in the memory of one block. ``None`` (and a loud notice) where torch no longer has them."""
+    ops = getattr(torch.ops.aten, _CPU_FLASH, None), getattr(torch.ops.aten, f"{_CPU_FLASH}_backward", None)
+    if ops[0] is None or ops[1] is None:
+        base.warn_lost("cpu_flash_attention", "ring attention computes each block with explicit scores (more memory)")
+        return None
+    forward_op, backward_op = ops
+
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: Optional[torch.Tensor],
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = forward_op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        return out, lse
+
+    def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, mask: Optional[torch.Tensor], scale: float) -> Any:
+        return backward_op(dout, q, k, v, out.to(q.dtype), lse, 0.0, causal, attn_mask=mask, scale=scale)
+
+    return forward, backward
+
+
 # -- module hooks -----------------------------------------------------------------------------------------------------
 def has_forward_hooks(module: nn.Module) -> bool:
     """Whether calling ``module`` runs a forward hook: its own, or one registered for every module."""
@@ -73,3 +99,5 @@ def has_forward_hooks(module: nn.Module) -> bool:
 base.PROBES["foreach_mul"] = lambda: callable(getattr(torch, "_foreach_mul_", None))
 base.PROBES["foreach_lerp"] = lambda: callable(getattr(torch, "_foreach_lerp_", None))
 base.PROBES["foreach_copy"] = lambda: callable(getattr(torch, "_foreach_copy_", None))
+base.PROBES["cpu_flash_attention"] = lambda: all(
+    hasattr(torch.ops.aten, name) for name in (_CPU_FLASH, f"{_CPU_FLASH}_backward"))

@@ -1,0 +1,57 @@
+"""Context parallelism, run for real: ring attention over gloo process groups against the unsplit attention, and
+training at ``context_parallel=2`` against one process on the whole sequence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_fsdp.parallel.sequence import SequenceLayout, document_ids, shifted_labels, split_batch
+from tests.helpers.launch import SCRIPTS, run_python
+
+
+# -- the layout: pure functions ---------------------------------------------------------------------------------------
+def test_each_rank_holds_a_head_and_a_tail_chunk_and_restore_inverts_the_split():
+    row = torch.arange(16)[None]
+    parts = [SequenceLayout(4, r).split(row) for r in range(4)]
+    assert [p.tolist()[0] for p in parts[:2]] == [[0, 1, 14, 15], [2, 3, 12, 13]]
+    assert torch.equal(SequenceLayout(4, 0).restore(parts), row)
+    assert torch.equal(SequenceLayout(4, 3).positions(16), torch.tensor([6, 7, 8, 9]))
+
+
+def test_a_length_that_does_not_split_names_the_multiple_to_pad_to():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        SequenceLayout(2, 0).split(torch.zeros(1, 10))
+
+
+def test_a_batch_is_shifted_before_it_is_split_and_packed_rows_keep_their_documents():
+    ids = torch.arange(8)[None] + 100
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    part, split = split_batch({"input_ids": ids, "position_ids": positions}, SequenceLayout(2, 1))
+    assert part["input_ids"].tolist() == [[102, 103, 104, 105]]
+    assert part["shift_labels"].tolist() == [[103, 104, 105, 106]]  # the chunk's last target is the next chunk's first
+    assert part["position_ids"].tolist() == [[2, 0, 1, 2]] and split.documents.tolist() == [[1, 2, 2, 2]]
+    assert shifted_labels(ids)[0, -1] == -100 and document_ids(positions).tolist() == [[1, 1, 1, 2, 2, 2, 2, 2]]
+
+
+def test_padding_is_masked_out_of_the_labels_and_left_padding_is_refused():
+    ids = torch.arange(8)[None]
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])
+    part, split = split_batch({"input_ids": ids, "attention_mask": mask}, SequenceLayout(1, 0))
+    assert part["shift_labels"].tolist() == [[1, 2, 3, 4, 5, -100, -100, -100]] and "attention_mask" not in part
+    assert split.documents is None and part["position_ids"].tolist() == [list(range(8))]
+    with pytest.raises(ValueError, match="right-padded"):
+        split_batch({"input_ids": ids, "attention_mask": mask.flip(1)}, SequenceLayout(1, 0))
+
+
+# -- ring attention on real process groups ----------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_equals_the_unsplit_attention_and_its_gradients(world, tmp_path):
+    """Both kernels, grouped queries, packed rows whose documents cross chunks and ranks (the script asserts)."""
+    out = tmp_path / "ring.json"
+    proc = run_python([str(SCRIPTS / "ring_attention.py"), str(world), str(out)], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cases = json.loads(out.read_text())
+    assert len(cases) == 6 and all(c["max_err"] < 1e-5 for c in cases)
