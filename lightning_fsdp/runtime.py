@@ -33,10 +33,12 @@ from lightning_fsdp.checkpoint.checkpointer import Checkpointer
 from lightning_fsdp.fixes import FixWording, worded_for
 from lightning_fsdp.hf import resolve_base
 from lightning_fsdp.hf.info import annotate_checkpoint
+from lightning_fsdp.hf.ring_attention import use_ring_attention
 from lightning_fsdp.host_heap import HostHeapPolicy
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.parallel.grad_norm import StepGradNorm
+from lightning_fsdp.parallel.sequence import SequenceLayout, SequenceSplit, split_batch
 from lightning_fsdp.preparation import Preparation, Prepared, prepare_model
 from lightning_fsdp.resilience import Resilience
 from lightning_fsdp.sharding import ShardingPlan, WrapPolicy
@@ -106,6 +108,8 @@ class ShardedRuntime:
         self.checkpointer = Checkpointer(async_save=async_save, verify_before_load=verify_before_load)
         self.device_mesh: Optional[DeviceMesh] = None
         self.mesh_shape: Optional[mesh_utils.MeshShape] = None
+        #: this rank's context-parallel group (``None`` without context parallelism)
+        self.context_mesh: Optional[DeviceMesh] = None
         #: what the last :meth:`prepare` did: FSDP units, the safetensors base it loaded, the weights held in NF4
         self.prepared = Prepared()
         #: the host heap handed back after a step once it grew, large blocks mapped on their own
@@ -136,8 +140,17 @@ class ShardedRuntime:
         )
         self.mesh_shape = mesh_shape
         self.device_mesh = mesh_utils.build_device_mesh(mesh_shape, root_device.type)
+        self.context_mesh = mesh_utils.context_group(mesh_shape, root_device.type)
         self.resilience.start(self.device_mesh)
         return self.device_mesh
+
+    def split_sequence(self, batch: Any) -> tuple[Any, Optional[SequenceSplit]]:
+        """This rank's part of ``batch`` along the sequence and the split its attention needs, under context
+        parallelism; ``(batch, None)`` otherwise."""
+        if self.context_mesh is None:
+            return batch, None
+        layout = SequenceLayout(self.context_mesh.size(), self.context_mesh.get_local_rank())
+        return split_batch(batch, layout, self.context_mesh.get_group())
 
     # -- the model -----------------------------------------------------------------------------------------------------
     def prepare(
@@ -155,6 +168,8 @@ class ShardedRuntime:
         plan = options.plan(mp_policy, on_device=root_device.type == "cuda")
         device = torch.device("cpu") if options.cpu_offload else root_device
         preparation = Preparation(plan, device, options.pretrained_weights, strict, options.pretrained_key_map)
+        if self.context_mesh is not None:
+            use_ring_attention(module)  # a Hugging Face model's attention attends across the context-parallel ranks
         with worded_for(self.wording):
             prepared = prepare_model(module, self.device_mesh, preparation)
         if prepared.units:

@@ -70,11 +70,11 @@ def flash_attention_blocks() -> Optional[tuple[Callable[..., Any], Callable[...,
     """torch's CPU flash-attention forward and backward as ``(q, k, v, causal, mask, scale) -> (out, lse)`` and
     ``(dout, q, k, v, out, lse, causal, mask, scale) -> (dq, dk, dv)``: ring attention's blocks with their
     log-sum-exp, in the memory of one block. ``None`` (and a loud notice) where torch no longer has them."""
-    ops = getattr(torch.ops.aten, _CPU_FLASH, None), getattr(torch.ops.aten, f"{_CPU_FLASH}_backward", None)
-    if ops[0] is None or ops[1] is None:
+    forward_op: Any = getattr(torch.ops.aten, _CPU_FLASH, None)
+    backward_op: Any = getattr(torch.ops.aten, f"{_CPU_FLASH}_backward", None)
+    if forward_op is None or backward_op is None:
         base.warn_lost("cpu_flash_attention", "ring attention computes each block with explicit scores (more memory)")
         return None
-    forward_op, backward_op = ops
 
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: Optional[torch.Tensor],
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:

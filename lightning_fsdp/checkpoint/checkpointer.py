@@ -70,11 +70,11 @@ def _options(full: bool) -> Any:
 
 
 def mesh_tuple(mesh_shape: Union[MeshShape, Sequence[int], None]) -> tuple[int, ...]:
-    """``MeshShape`` → ``(replicate, shard)``; ``None`` → ``(world size,)``."""
+    """``MeshShape`` → ``(replicate, ranks per shard group)``; ``None`` → ``(world size,)``."""
     if mesh_shape is None:
         return (world_size(),)
     if hasattr(mesh_shape, "replicate") and hasattr(mesh_shape, "shard"):
-        return (int(mesh_shape.replicate), int(mesh_shape.shard))
+        return (int(mesh_shape.replicate), int(getattr(mesh_shape, "shard_group", mesh_shape.shard)))
     return tuple(int(x) for x in mesh_shape)
 
 

@@ -48,11 +48,12 @@ def causal_lm_token_loss(logits: Tensor, labels: Tensor, *, shift: bool = True) 
 
 def gradient_divisor(trainer: Any) -> int:
     """What a Lightning Trainer has divided each gradient by when a window's backward passes are done: its
-    ``accumulate_grad_batches`` × the data-parallel size its strategy reduces over (every rank that holds a
-    different batch: replicas × shards for HSDP)."""
+    ``accumulate_grad_batches`` × the ranks its strategy's gradient reduction averages over (every rank that holds
+    different tokens: replicas × shards for HSDP, × the context-parallel ranks that split each sequence)."""
     kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
     replicas = int(kwargs.get("num_replicas", trainer.world_size if getattr(trainer.strategy, "is_distributed", False) else 1))
-    return int(trainer.accumulate_grad_batches) * replicas
+    context = int(getattr(trainer.strategy, "context_parallel", 1) or 1)
+    return int(trainer.accumulate_grad_batches) * replicas * context
 
 
 class TokenWeightedLoss:

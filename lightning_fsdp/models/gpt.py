@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_fsdp.models.gpt_config import GPTConfig
+from lightning_fsdp.parallel.ring import ring_attention
+from lightning_fsdp.parallel.sequence import active_split
 
 __all__ = ["GPT", "TransformerBlock"]
 
@@ -78,9 +80,16 @@ class RotaryEmbedding(nn.Module):
             self.sin.copy_(angles.sin())
 
     def forward(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        if seq_len > self.max_seq_len:
-            raise ValueError(f"Sequence of length {seq_len} is longer than the model's seq_len={self.max_seq_len}.")
-        return self.cos[:seq_len].to(device), self.sin[:seq_len].to(device)
+        """The tables of positions ``0..seq_len-1``, or under context parallelism of this rank's tokens' positions
+        in the whole row (``seq_len`` is then this rank's part)."""
+        split = active_split()
+        whole = seq_len * split.layout.size if split is not None else seq_len
+        if whole > self.max_seq_len:
+            raise ValueError(f"Sequence of length {whole} is longer than the model's seq_len={self.max_seq_len}.")
+        if split is None:
+            return self.cos[:seq_len].to(device), self.sin[:seq_len].to(device)
+        positions = split.layout.positions(whole, self.cos.device)
+        return self.cos[positions].to(device), self.sin[positions].to(device)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -102,7 +111,13 @@ class CausalSelfAttention(nn.Module):
         b, t, d = x.shape
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        split = active_split()
+        if split is not None:
+            if self.dropout and self.training:
+                raise ValueError("Ring attention has no attention dropout: set dropout=0 to train with context_parallel.")
+            out = ring_attention(q, k, v, split)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(out.transpose(1, 2).reshape(b, t, d))
 
 

@@ -25,6 +25,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from lightning_fsdp.hf.ring_attention import RING_ATTENTION
 from lightning_fsdp.loss import (
     DEFAULT_CHUNK_TOKENS,
     TokenWeightedLoss,
@@ -35,9 +36,10 @@ from lightning_fsdp.loss import (
     gradient_divisor,
 )
 from lightning_fsdp.models.metrics import ValidationMetrics
+from lightning_fsdp.parallel.sequence import SHIFTED_LABELS, active_split
 
 #: attention implementations that keep packed samples apart from restarting ``position_ids`` alone
-PACKING_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+PACKING_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", RING_ATTENTION)
 
 __all__ = ["HFCausalLM", "hidden_states_and_head"]
 
@@ -121,11 +123,18 @@ class HFCausalLM(L.LightningModule):
     def token_sums(self, batch: Union[dict[str, Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
         """``(Σ token losses, target tokens, correctly predicted target tokens)`` of a batch; the last is computed
         only outside training (``-1`` while gradients are recorded)."""
-        if isinstance(batch, dict):
+        if isinstance(batch, dict) and SHIFTED_LABELS in batch:  # a context-parallel rank's part: targets shifted already
+            inputs = {"position_ids": batch["position_ids"]}
+            input_ids, labels, shift = batch["input_ids"], batch[SHIFTED_LABELS], False
+        elif isinstance(batch, dict):
             inputs = {k: batch[k] for k in ("position_ids", "attention_mask") if k in batch}
             input_ids, labels, shift = batch["input_ids"], batch["labels"], True
         else:
             inputs, (input_ids, labels), shift = {}, batch, False
+            split = active_split()
+            if split is not None:  # a context-parallel rank's chunks: rotary tables at the tokens' global positions
+                whole = input_ids.shape[1] * split.layout.size
+                inputs["position_ids"] = split.layout.positions(whole, input_ids.device).expand_as(input_ids)
         chunk = self.hparams.get("loss_chunk")
         if chunk:
             hidden, head = self._hidden_states(input_ids, **inputs)

@@ -7,7 +7,7 @@ needs one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Literal, Optional, Union
 
 if TYPE_CHECKING:
     import torch
@@ -29,23 +29,36 @@ def check_size(name: str, value: SizeArg) -> None:
 
 @dataclass(frozen=True)
 class MeshShape:
-    """The data-parallel mesh: ``replicate`` copies of the model, each sharded over ``shard`` ranks.
+    """The mesh ``replicate × shard × context``: ``replicate`` copies of the model, each sharded over
+    ``shard × context`` ranks; each group of ``context`` consecutive ranks splits one batch along the sequence.
 
     ``replicate == 1`` is plain FSDP (a 1-D mesh); ``replicate > 1`` is HSDP (a 2-D mesh: gradients are
-    reduce-scattered within a shard group and all-reduced across replicas).
+    reduce-scattered within a shard group and all-reduced across replicas). Context parallelism costs no parameter
+    memory: its ranks hold different shards, as torchtitan shards over ``dp_shard × cp``.
     """
 
     replicate: int
     shard: int
+    context: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("replicate", "shard"):
+        for name in ("replicate", "shard", "context"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MeshShape.{name} must be a positive int, got {value!r}.")
 
     @property
     def world_size(self) -> int:
+        return self.replicate * self.shard * self.context
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks one copy of the parameters is sharded over: ``shard × context``."""
+        return self.shard * self.context
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different batches: ``replicate × shard``."""
         return self.replicate * self.shard
 
     @property
@@ -58,21 +71,32 @@ class MeshShape:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        return (self.replicate, self.shard) if self.is_hybrid else (self.shard,)
+        """The FSDP mesh's sizes (context ranks are part of the shard dimension)."""
+        return (self.replicate, self.shard_group) if self.is_hybrid else (self.shard_group,)
 
 
 def resolve_mesh_shape(
-    replicate_size: SizeArg, shard_size: SizeArg, world_size: int, num_nodes: int = 1
+    replicate_size: SizeArg, shard_size: SizeArg, world_size: int, num_nodes: int = 1, context_parallel: int = 1
 ) -> MeshShape:
-    """Turn the user's mesh sizes into concrete ones, or raise showing ``replicate × shard`` against the world size.
+    """Turn the user's mesh sizes into concrete ones, or raise showing ``replicate × shard × context`` against the
+    world size.
 
     ``"auto"`` (or ``-1``) for ``replicate_size`` means one replica per node (HSDP across nodes); for
-    ``shard_size`` it means "whatever is left": ``world_size // replicate``.
+    ``shard_size`` it means "whatever is left": ``world_size // (replicate × context_parallel)``.
     """
     check_size("replicate_size", replicate_size)
     check_size("shard_size", shard_size)
+    check_context_parallel(context_parallel)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    if world_size % context_parallel:
+        raise ValueError(
+            f"context_parallel={context_parallel} does not divide the world size {world_size}: each group of"
+            f" {context_parallel} ranks splits one sequence. Choose a context_parallel from the divisors of {world_size}."
+        )
+    if context_parallel > 1:
+        shape = resolve_mesh_shape(replicate_size, shard_size, world_size // context_parallel, num_nodes)
+        return MeshShape(shape.replicate, shape.shard, context_parallel)
     replicate_auto = replicate_size in ("auto", -1)
     shard_auto = shard_size in ("auto", -1)
     replicate = max(num_nodes, 1) if replicate_auto else int(replicate_size)
@@ -102,6 +126,12 @@ def resolve_mesh_shape(
     return MeshShape(replicate=replicate, shard=shard)
 
 
+def check_context_parallel(value: int) -> None:
+    """``context_parallel`` is a positive int (1: every rank holds whole sequences)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`context_parallel` must be a positive int (1 turns it off), got {value!r}.")
+
+
 def build_device_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
     """Create the mesh over the already-initialised default process group."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -109,11 +139,23 @@ def build_device_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, shape.sizes, mesh_dim_names=shape.dim_names)
 
 
-def data_parallel_rank(mesh: DeviceMesh) -> int:
-    """This rank's position among all data-parallel ranks (replica-major), for the DistributedSampler."""
+def data_parallel_rank(mesh: DeviceMesh, context: int = 1) -> int:
+    """This rank's position among all data-parallel ranks (replica-major), for the DistributedSampler; the
+    ``context`` consecutive ranks of a context-parallel group share one."""
     if mesh.ndim == 1:
-        return mesh.get_local_rank()
-    return mesh.get_local_rank(REPLICATE_DIM) * mesh.size(1) + mesh.get_local_rank(SHARD_DIM)
+        return mesh.get_local_rank() // context
+    return (mesh.get_local_rank(REPLICATE_DIM) * mesh.size(1) + mesh.get_local_rank(SHARD_DIM)) // context
+
+
+def context_group(shape: MeshShape, device_type: str) -> Optional[DeviceMesh]:
+    """The 1-D mesh of this rank's context-parallel group (consecutive ranks), or ``None`` without context
+    parallelism. Every rank calls it (each group is created on every rank)."""
+    if shape.context == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (shape.world_size // shape.context, shape.context), mesh_dim_names=("dp", "cp"))
+    return mesh["cp"]
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,9 @@
-"""Where a strategy's ranks sit: devices, the replicate × shard mesh, and how the data is split over it.
+"""Where a strategy's ranks sit: devices, the replicate × shard × context mesh, and how the data is split over it.
 
 The same for the Trainer's and Fabric's front ends (:class:`~lightning_fsdp.trainer.mesh_strategy.MeshStrategy`,
 :class:`~lightning_fsdp.fabric.FSDPCustomFabricStrategy`), which list this mixin first among their bases. It reads
 the attributes both of Lightning's ``ParallelStrategy`` classes have (``parallel_devices``, ``local_rank``,
-``global_rank``) and the front end's ``num_nodes``, ``replicate_size``, ``shard_size``.
+``global_rank``) and the front end's ``num_nodes``, ``replicate_size``, ``shard_size``, ``context_parallel``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class MeshPlacement:
     num_nodes: int
     replicate_size: mesh_utils.SizeArg
     shard_size: mesh_utils.SizeArg
+    context_parallel: int = 1
     _mesh_shape: Optional[mesh_utils.MeshShape] = None
     _device_mesh: Optional[DeviceMesh] = None
 
@@ -46,7 +47,8 @@ class MeshPlacement:
     def mesh_shape(self) -> mesh_utils.MeshShape:
         if self._mesh_shape is None:
             self._mesh_shape = mesh_utils.resolve_mesh_shape(
-                self.replicate_size, self.shard_size, self.num_nodes * self.num_processes, self.num_nodes
+                self.replicate_size, self.shard_size, self.num_nodes * self.num_processes, self.num_nodes,
+                self.context_parallel,
             )
         return self._mesh_shape
 
@@ -69,7 +71,11 @@ class MeshPlacement:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every data-parallel rank (replicas × shards) reads different data."""
+        """Every data-parallel rank (replicas × shards) reads different data; the ranks of a context-parallel group
+        read the same batch and split it along the sequence."""
+        context = max(1, int(self.context_parallel))
         if self._device_mesh is None:
-            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-        return {"num_replicas": self.mesh_shape.world_size, "rank": mesh_utils.data_parallel_rank(self._device_mesh)}
+            return {"num_replicas": max(1, self.num_nodes * self.num_processes // context),
+                    "rank": self.global_rank // context}
+        rank = mesh_utils.data_parallel_rank(self._device_mesh, context)
+        return {"num_replicas": self.mesh_shape.data_parallel_size, "rank": rank}

@@ -100,22 +100,51 @@ class SequenceSplit:
     documents: Optional[Tensor] = None
 
 
-_ACTIVE: contextvars.ContextVar[Optional[SequenceSplit]] = contextvars.ContextVar("lightning_fsdp_split", default=None)
+class _Active:
+    """The split in force, and how many attention calls attended across its ranks."""
+
+    def __init__(self, split: SequenceSplit) -> None:
+        self.split, self.calls = split, 0
+
+
+_ACTIVE: contextvars.ContextVar[Optional[_Active]] = contextvars.ContextVar("lightning_fsdp_split", default=None)
 
 
 def active_split() -> Optional[SequenceSplit]:
     """The split of the step that is running, or ``None`` outside a context-parallel step."""
-    return _ACTIVE.get()
+    active = _ACTIVE.get()
+    return active.split if active is not None else None
+
+
+def attended_across_ranks() -> None:
+    """Called by every attention that honours the active split (ring attention does)."""
+    active = _ACTIVE.get()
+    if active is not None:
+        active.calls += 1
 
 
 @contextlib.contextmanager
-def splitting(split: Optional[SequenceSplit]) -> Iterator[None]:
-    """Attention inside this block attends across the ranks of ``split`` (nothing changes for ``None``)."""
-    token = _ACTIVE.set(split)
+def splitting(split: Optional[SequenceSplit], *, expect_attention: bool = True) -> Iterator[None]:
+    """Attention inside this block attends across the ranks of ``split`` (nothing changes for ``None``).
+
+    With ``expect_attention``, a block that ran no such attention is an error: the model's attention saw only this
+    rank's chunks, so its results would be silently wrong."""
+    if split is None:
+        yield
+        return
+    active = _Active(split)
+    token = _ACTIVE.set(active)
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+    if expect_attention and split.layout.size > 1 and active.calls == 0:
+        raise RuntimeError(
+            "context_parallel is on, but the model's attention did not attend across the context-parallel ranks: each"
+            " rank saw only its own chunks of the sequence. Use a Hugging Face model (its attention is switched to"
+            " ring attention), the package's GPT, or call lightning_fsdp.parallel.ring_attention(q, k, v,"
+            " active_split()) in your attention; or set context_parallel=1."
+        )
 
 
 def split_batch(batch: Any, layout: SequenceLayout, group: Optional[dist.ProcessGroup] = None) -> tuple[Any, SequenceSplit]:
@@ -129,7 +158,8 @@ def split_batch(batch: Any, layout: SequenceLayout, group: Optional[dist.Process
     """
     if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch):
         inputs, targets = batch
-        return type(batch)((layout.split(inputs), layout.split(targets))), SequenceSplit(group, layout)
+        parts = (layout.split(inputs), layout.split(targets))
+        return (list(parts) if isinstance(batch, list) else parts), SequenceSplit(group, layout)
     if not isinstance(batch, dict) or "input_ids" not in batch:
         raise TypeError(
             "Context parallelism splits causal-LM batches: a dict with 'input_ids' (and 'labels', 'position_ids' or a"
@@ -143,7 +173,7 @@ def split_batch(batch: Any, layout: SequenceLayout, group: Optional[dist.Process
             "Context parallelism needs right-padded rows (padding after the tokens); this batch has padding before"
             " real tokens. Pad on the right (tokenizer.padding_side='right'), or pack the rows."
         )
-    labels = batch.get("labels", input_ids)
+    labels: Tensor = batch["labels"] if batch.get("labels") is not None else input_ids
     if mask is not None:
         labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
     positions = batch.get("position_ids")

@@ -29,7 +29,7 @@ def shard_group_size(strategy: Any) -> int:
     """Ranks the state is (ideally) divided over: the FSDP shard dimension, else the whole world."""
     mesh_shape = getattr(strategy, "_mesh_shape", None) or getattr(strategy, "mesh_shape", None)
     if mesh_shape is not None and hasattr(mesh_shape, "shard"):
-        return int(mesh_shape.shard)
+        return int(mesh_shape.shard_group)
     return max(1, int(getattr(strategy, "world_size", 1)))
 
 

@@ -39,16 +39,19 @@ class MeshStrategy(MeshPlacement, ParallelStrategy):
         replicate_size: mesh_utils.SizeArg = 1,
         shard_size: mesh_utils.SizeArg = "auto",
         process_group_backend: Optional[str] = None,
+        context_parallel: int = 1,
         **kwargs: Any,
     ) -> None:
         mesh_utils.check_size("replicate_size", replicate_size)
         mesh_utils.check_size("shard_size", shard_size)
+        mesh_utils.check_context_parallel(context_parallel)
         process_group.check_backend(process_group_backend)
         self.runtime = runtime
         self.resilience = runtime.resilience
         super().__init__(**kwargs)
         self.replicate_size = replicate_size
         self.shard_size = shard_size
+        self.context_parallel = context_parallel
         self.num_nodes = 1
         self._process_group_backend = process_group_backend
         self._mesh_shape: Optional[mesh_utils.MeshShape] = None

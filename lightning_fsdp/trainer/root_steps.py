@@ -3,33 +3,54 @@ leaves the root gathered.
 
 Lightning calls ``LightningModule.training_step`` directly; FSDP2's root hooks (the root unit's all-gather, the cast
 of inputs) fire only around the root's ``__call__``, so each step is redirected through it (Lightning's forward
-redirection). Gradient accumulation skips the reduce-scatter until the last micro-batch.
+redirection). Gradient accumulation skips the reduce-scatter until the last micro-batch. Under context parallelism
+each step's batch is cut along the sequence here, and its attention attends across the group's ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch.strategies import ParallelStrategy
+from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.generation import reshard_gathered
+from lightning_fsdp.parallel.sequence import SequenceSplit, splitting
 from lightning_fsdp.resilience import collective
+from lightning_fsdp.runtime import ShardedRuntime
 
 __all__ = ["RootForwardSteps"]
 
 
 class RootForwardSteps(ParallelStrategy):
-    """Step hooks for a strategy whose ``model`` is an FSDP2 root (mixed in before Lightning's strategy classes)."""
+    """Step hooks for a strategy whose ``model`` is an FSDP2 root (mixed in before Lightning's strategy classes).
+
+    Under context parallelism each step's batch is split along the sequence first (``runtime.split_sequence``)."""
+
+    runtime: ShardedRuntime
+    _step_split: Optional[SequenceSplit] = None
 
     @collective("{method} (FSDP parameter all-gathers in forward, or a collective in the step)", gate=False)
     def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``LightningModule.<method>`` through the root's ``__call__`` so FSDP2's root hooks fire: the root's
         pre-forward hook gathers its own parameters and casts inputs; Lightning would otherwise bypass it."""
         assert self.model is not None and self.lightning_module is not None
-        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+        split = None
+        if args:  # context parallelism: this rank's chunks of the batch, and attention across the group's ranks
+            batch, split = self.runtime.split_sequence(args[0])
+            args = (batch, *args[1:])
+        self._step_split = split  # a checkpointed block recomputed in backward attends the same way
+        with splitting(split):
+            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        with splitting(self._step_split, expect_attention=False):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

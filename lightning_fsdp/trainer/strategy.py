@@ -67,7 +67,10 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, RootForward
         reshard_after_forward: free gathered parameters after each unit's forward (ZeRO-3) or keep them until
             backward (``False``, ZeRO-2-like: faster, more memory); an int reshards to that smaller group size.
         replicate_size: number of model replicas (HSDP); ``1`` is plain FSDP, ``"auto"`` means one per node.
-        shard_size: ranks a replica is sharded over; ``"auto"`` = world size / replicate_size.
+        shard_size: data-parallel ranks a replica is sharded over; ``"auto"`` = world size / (replicate_size ×
+            context_parallel).
+        context_parallel: ranks that split each sequence (ring attention; each holds a head and a tail chunk of
+            every row, and parameters are sharded over ``shard_size × context_parallel``). ``1``: off.
         process_group_backend: ``"nccl"``/``"gloo"``; default nccl on CUDA, gloo on CPU.
         timeout: collective timeout in seconds (or a ``timedelta``).
         state_dict_type: ``"sharded"`` writes a checkpoint directory, every rank its own shards, in parallel;
@@ -113,6 +116,7 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, RootForward
         reshard_after_forward: Union[bool, int] = True,
         replicate_size: mesh_utils.SizeArg = 1,
         shard_size: mesh_utils.SizeArg = "auto",
+        context_parallel: int = 1,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = 1800.0,
         state_dict_type: StateDictType = "sharded",
@@ -135,6 +139,7 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, RootForward
             self.runtime,
             replicate_size=replicate_size,
             shard_size=shard_size,
+            context_parallel=context_parallel,
             process_group_backend=process_group_backend,
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -55,3 +55,54 @@ def test_ring_attention_equals_the_unsplit_attention_and_its_gradients(world, tm
     assert proc.returncode == 0, proc.stderr[-4000:]
     cases = json.loads(out.read_text())
     assert len(cases) == 6 and all(c["max_err"] < 1e-5 for c in cases)
+
+
+# -- training at context_parallel=2 against one process on whole sequences ---------------------------------------------
+GLOBAL_BATCH, STEPS, LR, SEQ = 4, 3, 1e-2, 16
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from tests.helpers.hf import write_llama
+
+    return write_llama(tmp_path_factory.mktemp("cp") / "llama")
+
+
+def _cp_runs(llama, tmp_path, *, packed: bool, lora: bool, world: int = 2, context: int = 2) -> tuple[dict, dict]:
+    from tests.helpers.hf import LORA
+    from tests.helpers.launch import train
+
+    initial = str(tmp_path / "initial.pt")
+    common = {"max_steps": STEPS, "seq": SEQ, "data": {"n": 24, "packed": packed}, "record_gradients": True}
+    hf_ref = {"model_dir": str(llama), "from_pretrained": True, "lr": LR, "loss_chunk": None}
+    hf = {"model_dir": str(llama), "lr": LR, "loss_chunk": None}
+    if lora:
+        hf_ref["lora"] = hf["lora"] = LORA
+    reference = train({"strategy": "auto", "devices": 1, "batch_size": GLOBAL_BATCH, "hf": hf_ref, **common,
+                       **({"save_initial": initial} if lora else {})}, tmp_path, "reference")
+    sharded = train({"devices": world, "batch_size": GLOBAL_BATCH * context // world, "empty_init": True, "hf": hf,
+                     "strategy_kwargs": {"pretrained_weights": str(llama), "context_parallel": context}, **common,
+                     **({"load_initial": initial} if lora else {})}, tmp_path, "sharded", timeout=300)
+    return sharded, reference
+
+
+@pytest.mark.parametrize("packed,lora", [(False, False), (True, True)], ids=["full", "packed-lora"])
+def test_hf_llama_at_context_parallel_2_trains_as_one_process(llama, tmp_path, packed, lora):
+    sharded, reference = _cp_runs(llama, tmp_path, packed=packed, lora=lora)
+    assert sharded["world_size"] == 2
+    assert_step_gradients_equal(sharded, reference)
+    # the step's mean over every token (each rank's own mean differs: the row's last token has no target)
+    assert len(reference["logged_losses"]) == STEPS
+    torch.testing.assert_close(torch.tensor(sharded["logged_losses"]), torch.tensor(reference["logged_losses"]))
+
+
+def assert_step_gradients_equal(run: dict, reference: dict) -> None:
+    """Every step's whole gradients at torch's fp32 tolerances (what Adam then turns into the parameters: it scales
+    float noise in gradient elements that are mathematically ~0 up to a step of ``lr``, so parameters after Adam are
+    compared through their gradients)."""
+    got, want = (torch.load(r["gradients_path"], weights_only=True) for r in (run, reference))
+    assert len(got) == len(want) == STEPS
+    for step, (mine, theirs) in enumerate(zip(got, want)):
+        assert mine.keys() == theirs.keys() and mine
+        for name, grad in theirs.items():
+            torch.testing.assert_close(mine[name], grad, msg=lambda m, n=name, s=step: f"step {s}, {n}: {m}")

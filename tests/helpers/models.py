@@ -129,6 +129,22 @@ def token_dataset(n: int = 64, vocab: int = 37, seq: int = 7, seed: int = 0) -> 
     return TensorDataset(data[:, :-1].clone(), data[:, 1:].clone())
 
 
+def packed_dataset(n: int = 64, vocab: int = 37, seq: int = 8, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Packed causal-LM rows: documents of random lengths end to end, ``position_ids`` restarting at each, labels
+    aligned with the inputs (transformers' convention)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (seq,), generator=g)
+        positions, filled = [], 0
+        while filled < seq:
+            length = min(int(torch.randint(1, max(2, seq // 2) + 1, (1,), generator=g)), seq - filled)
+            positions.append(torch.arange(length))
+            filled += length
+        rows.append({"input_ids": ids, "labels": ids.clone(), "position_ids": torch.cat(positions)})
+    return rows
+
+
 class DistributedOrderSampler(Sampler[int]):
     """The global order Lightning's injected ``DistributedSampler`` (shuffle, seed 0) deals out to the ranks.
 
@@ -150,10 +166,12 @@ class DistributedOrderSampler(Sampler[int]):
         return self.n
 
 
-def loader(n: int, batch_size: int, vocab: int = 37, seq: int = 7, seed: int = 0, reference_order: bool = False) -> DataLoader:
+def loader(n: int, batch_size: int, vocab: int = 37, seq: int = 7, seed: int = 0, reference_order: bool = False,
+           packed: bool = False) -> DataLoader:
     """Rank loaders are plain (Lightning injects the sampler); the reference replays the distributed order."""
     sampler = DistributedOrderSampler(n, int(os.environ.get("PL_GLOBAL_SEED", 0))) if reference_order else None
-    return DataLoader(token_dataset(n, vocab, seq, seed), batch_size=batch_size, sampler=sampler)
+    data = packed_dataset(n, vocab, seq, seed) if packed else token_dataset(n, vocab, seq, seed)
+    return DataLoader(data, batch_size=batch_size, sampler=sampler)
 
 
 def build_model(spec: dict[str, Any]) -> tuple[L.LightningModule, int, int]:

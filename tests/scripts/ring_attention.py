@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from lightning_fsdp.parallel.ring_attention import ring_attention  # noqa: E402
+from lightning_fsdp.parallel.ring import ring_attention  # noqa: E402
 from lightning_fsdp.parallel.sequence import SequenceLayout, SequenceSplit, document_ids  # noqa: E402
 
 B, H, S, D = 2, 4, 48, 8

@@ -32,6 +32,27 @@ class RecordLosses(Callback):
         self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
 
 
+class RecordGradients(Callback):
+    """The whole gradients each optimizer step used (normalised, before the next step zeroes them), and the step's
+    logged ``train_loss`` (a token-weighted module's mean over every rank's tokens), every step."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+        self.logged: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from torch.distributed.tensor import DTensor
+
+        grads = {}
+        for name, param in pl_module.named_parameters():
+            if param.grad is not None:
+                grad = param.grad
+                grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+        self.steps.append(grads)
+        if "train_loss" in trainer.callback_metrics:
+            self.logged.append(float(trainer.callback_metrics["train_loss"]))
+
+
 class CountAllGathers(Callback):
     """Counts the all-gathers (FSDP2's parameter gathers) issued during the training step with index ``at``."""
 
@@ -260,6 +281,9 @@ def main(spec: dict) -> None:
     empty_init = spec.get("empty_init", False)
     recorder = RecordLosses()
     callbacks: list[Callback] = [recorder]
+    gradients = RecordGradients() if spec.get("record_gradients") else None
+    if gradients is not None:
+        callbacks.append(gradients)
     counter = CountAllGathers(at=spec["count_all_gathers_at"]) if "count_all_gathers_at" in spec else None
     if counter is not None:
         callbacks.append(counter)
@@ -303,8 +327,10 @@ def main(spec: dict) -> None:
     if spec.get("compile_like_strategy"):  # a one-process reference whose blocks run the strategy's compiled code
         compile_like_strategy(model, **spec["compile_like_strategy"])
     data = spec.get("data", {})
+    seq = spec.get("seq", seq)
     train_loader = loader(data.get("n", 64), spec.get("batch_size", 4), vocab, seq, data.get("seed", 0),
         reference_order=not isinstance(trainer.strategy, lightning_fsdp.FSDPCustomStrategy) and trainer.world_size == 1,
+        packed=data.get("packed", False),
     )
     trainer.fit(model, train_loader, ckpt_path=spec.get("ckpt_path"))
     if spec.get("save_path"):
@@ -343,6 +369,10 @@ def main(spec: dict) -> None:
         out = Path(spec["out"])
         torch.save(params, out.with_suffix(".params.pt"))
         result["params_path"] = str(out.with_suffix(".params.pt"))
+        if gradients is not None:
+            torch.save(gradients.steps, out.with_suffix(".grads.pt"))
+            result["gradients_path"] = str(out.with_suffix(".grads.pt"))
+            result["logged_losses"] = gradients.logged
         out.write_text(json.dumps(result))
 
 

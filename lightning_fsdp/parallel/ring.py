@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fsdp._torch_compat import flash_attention_blocks
-from lightning_fsdp.parallel.sequence import SequenceSplit
+from lightning_fsdp.parallel.sequence import SequenceSplit, attended_across_ranks
 
 __all__ = ["ring_attention"]
 
@@ -40,6 +40,7 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, split: SequenceSpl
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     use_flash = kernel == "flash" or (kernel == "auto" and query.device.type == "cpu")
     blocks = flash_attention_blocks() if use_flash else None
+    attended_across_ranks()
     return _RingAttention.apply(query, key, value, split, scale, blocks)
 
 
@@ -92,6 +93,7 @@ class _Ring:
     def __init__(self, split: SequenceSplit) -> None:
         self.size, self.rank = split.layout.size, split.layout.rank
         group = split.group if split.group is not None else dist.group.WORLD
+        assert group is not None, "ring attention runs in an initialised process group"
         self.group = group
         if self.size > 1:
             self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
