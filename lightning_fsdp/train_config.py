@@ -83,7 +83,7 @@ def world_size_of(trainer_cfg: Mapping[str, Any]) -> Optional[int]:
 
 
 def check_mesh(cfg: DictConfig) -> None:
-    """The sharding mesh (replicate × shard) must equal the number of processes; checked before any starts."""
+    """The sharding mesh (replicate × shard × context) must equal the number of processes; checked before any starts."""
     from lightning_fsdp.parallel.mesh import resolve_mesh_shape
     from lightning_fsdp.trainer.strategy import FSDPCustomStrategy
 
@@ -96,12 +96,14 @@ def check_mesh(cfg: DictConfig) -> None:
     num_nodes = int(cfg.trainer.get("num_nodes", 1) or 1)
     replicate = cfg.strategy.get("replicate_size", 1)
     shard = cfg.strategy.get("shard_size", "auto")
+    context = cfg.strategy.get("context_parallel", 1)
     try:
-        resolve_mesh_shape(replicate, shard, world, num_nodes)
+        resolve_mesh_shape(replicate, shard, world, num_nodes, context)
     except ValueError as err:
         raise ConfigError(
             f"trainer.devices={cfg.trainer.devices} × trainer.num_nodes={num_nodes} = {world} processes do not fit"
-            f" strategy.replicate_size={replicate} × strategy.shard_size={shard}: {err}"
+            f" strategy.replicate_size={replicate} × strategy.shard_size={shard} × strategy.context_parallel="
+            f"{context}: {err}"
         ) from err
 
 

@@ -46,6 +46,18 @@ def test_padding_is_masked_out_of_the_labels_and_left_padding_is_refused():
         split_batch({"input_ids": ids, "attention_mask": mask.flip(1)}, SequenceLayout(1, 0))
 
 
+def test_the_mesh_shards_over_shard_times_context_and_refuses_a_context_that_does_not_divide_the_world():
+    from lightning_fsdp.parallel.mesh import MeshShape, resolve_mesh_shape
+
+    shape = resolve_mesh_shape(1, "auto", 8, 1, context_parallel=2)
+    assert shape == MeshShape(1, 4, 2) and shape.sizes == (8,) and shape.data_parallel_size == 4
+    assert resolve_mesh_shape(2, "auto", 8, 2, context_parallel=2).sizes == (2, 4)
+    with pytest.raises(ValueError, match="context_parallel=3 does not divide the world size 4"):
+        resolve_mesh_shape(1, "auto", 4, 1, context_parallel=3)
+    with pytest.raises(ValueError, match="positive int"):
+        resolve_mesh_shape(1, "auto", 4, 1, context_parallel=0)
+
+
 # -- ring attention on real process groups ----------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_equals_the_unsplit_attention_and_its_gradients(world, tmp_path):
@@ -106,3 +118,29 @@ def assert_step_gradients_equal(run: dict, reference: dict) -> None:
         assert mine.keys() == theirs.keys() and mine
         for name, grad in theirs.items():
             torch.testing.assert_close(mine[name], grad, msg=lambda m, n=name, s=step: f"step {s}, {n}: {m}")
+
+
+def test_gpt_at_context_parallel_2_and_shard_2_on_4_ranks_trains_as_one_process(tmp_path):
+    """The package's GPT (rotary tables at global positions, ring attention in its own attention): two data-parallel
+    ranks, each pair splitting its sequences."""
+    from tests.helpers.launch import train
+
+    gpt = {"vocab_size": 37, "n_layer": 2, "n_head": 4, "d_model": 32, "seq_len": SEQ, "lr": LR, "warmup_steps": 1}
+    common = {"gpt": gpt, "max_steps": STEPS, "data": {"n": 24}, "record_gradients": True}
+    reference = train({"strategy": "auto", "devices": 1, "batch_size": GLOBAL_BATCH, **common}, tmp_path, "reference")
+    sharded = train({"devices": 4, "batch_size": GLOBAL_BATCH // 2, "empty_init": True,
+                     "strategy_kwargs": {"context_parallel": 2}, **common}, tmp_path, "sharded", timeout=300)
+    assert sharded["world_size"] == 4
+    assert_step_gradients_equal(sharded, reference)
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(reference["losses"]))
+
+
+def test_a_model_whose_attention_is_not_split_is_refused_on_every_rank(tmp_path):
+    """A LightningModule of the user's own (its blocks mix tokens with no ring attention) at context_parallel=2."""
+    from tests.helpers.launch import train
+
+    spec = {"devices": 2, "batch_size": 4, "max_steps": 1, "seq": 8, "strategy_kwargs": {"context_parallel": 2}}
+    run = train(spec, tmp_path, "refused", check=False)
+    stderr = run["proc"].stderr
+    assert run["proc"].returncode != 0
+    assert stderr.count("did not attend across the context-parallel ranks") >= 2, stderr[-3000:]

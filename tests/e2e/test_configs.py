@@ -268,6 +268,7 @@ def test_unknown_model_and_trainer_arguments_are_rejected(tmp_path):
         ("experiment=hsdp", "trainer.devices=3"),
         ("strategy=fsdp_custom_hybrid", "strategy.replicate_size=3"),
         ("strategy.shard_size=4",),
+        ("strategy.context_parallel=3",),
     ],
 )
 def test_devices_that_do_not_fit_the_mesh_are_rejected(tmp_path, overrides):

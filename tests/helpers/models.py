@@ -177,6 +177,11 @@ def loader(n: int, batch_size: int, vocab: int = 37, seq: int = 7, seed: int = 0
 def build_model(spec: dict[str, Any]) -> tuple[L.LightningModule, int, int]:
     """The test model a job spec asks for, with the vocabulary and sequence length its data needs: ``spec["hf"]``
     (``HFCausalLM`` arguments; the tiny Llama's vocabulary, sequences of 7) or ``spec["model"]`` (``TinyLM``)."""
+    if spec.get("gpt"):
+        from lightning_fsdp.models import GPTLightningModule
+
+        gpt = GPTLightningModule(**spec["gpt"])
+        return gpt, gpt.config.vocab_size, gpt.config.seq_len
     if spec.get("hf"):
         from lightning_fsdp.models import HFCausalLM
 
