@@ -50,6 +50,8 @@ def format_grpo(rollout: RolloutEstimate, training: Estimate, plan: GRPOPlan, pe
 def format_estimate(spec: ModelSpec, est: Estimate, v: Optional[Verdict] = None) -> str:
     o = est.options
     mesh = f"{o.replicate} × {o.shard}" if o.strategy == "fsdp" else f"{o.world_size} replicas"
+    if o.context_parallel > 1:
+        mesh += f" (of which context {o.context_parallel})"
     trainable = spec.trainable_numel
     lines = [
         f"model {spec.name}: {format_count(spec.numel)} parameters"
@@ -113,6 +115,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("training setup")
     run.add_argument("--world-size", "-n", type=int, default=1)
     run.add_argument("--replicate", type=int, default=1, help="HSDP replicas (mesh replicate × shard)")
+    run.add_argument("--cp", type=int, default=1, dest="context_parallel",
+                     help="context parallelism: ranks that split each sequence (strategy.context_parallel)")
     run.add_argument("--precision", default="32-true", help=f"one of {sorted(PRECISION_BYTES)}")
     run.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     run.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp", "single"])
@@ -170,16 +174,17 @@ def longest_sequence(spec: ModelSpec, options: PlanOptions, device_bytes: int, h
     def fits(seq: int) -> bool:
         return estimate(_with_seq(spec, seq), replace(options, seq_len=seq)).device <= usable
 
-    if not fits(1):
+    step = 2 * options.context_parallel if options.context_parallel > 1 else 1  # rows split into 2·cp chunks
+    if not fits(step):
         return 0
     low, high = 1, 2
-    while high <= limit and fits(high):
+    while high * step <= limit and fits(high * step):
         low, high = high, high * 2
-    high = min(high, limit + 1)
+    high = min(high, limit // step + 1)
     while high - low > 1:
         mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+        low, high = (mid, high) if fits(mid * step) else (low, mid)
+    return low * step
 
 
 def _with_seq(spec: ModelSpec, seq: int) -> ModelSpec:
@@ -234,7 +239,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             optimizer=args.optimizer, cpu_offload=args.cpu_offload, strategy=args.strategy,
             batch_size=args.batch_size, seq_len=args.seq, activation_checkpointing=args.activation_checkpointing,
             attention=args.attention, quantize_base=args.quantize_base, loss_chunk=loss_chunk_of(args),
-            reference=args.reference,
+            reference=args.reference, context_parallel=args.context_parallel,
         )
         if args.max_seq:
             if not args.device_memory:

@@ -86,6 +86,9 @@ class PlanOptions:
     #: DPO's reference model (``HFPreferenceLM(reference=...)``): ``"copy"`` holds a frozen sharded copy of the base
     #: (1/N of it per rank); ``"adapters_off"`` (LoRA) and ``"precomputed"`` hold nothing more; ``None``: no DPO
     reference: Optional[str] = None
+    #: ranks that split each sequence (ring attention): activations of ``seq_len / context_parallel`` tokens per
+    #: rank; parameters stay sharded over every rank of a replica
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.reference not in (None, *REFERENCE_MODES):
@@ -105,6 +108,11 @@ class PlanOptions:
             raise ValueError("strategy='single' is one process: use world_size=1.")
         if self.attention not in ("sdpa", "eager"):
             raise ValueError(f"attention={self.attention!r}: choose 'sdpa' (fused, no s² scores kept) or 'eager'.")
+        if self.context_parallel < 1 or (self.world_size // self.replicate) % self.context_parallel:
+            raise ValueError(f"context_parallel={self.context_parallel} must divide the ranks of a replica"
+                             f" ({self.world_size // self.replicate}).")
+        if self.context_parallel > 1 and self.strategy != "fsdp":
+            raise ValueError("context_parallel needs strategy='fsdp'.")
         if self.batch_size < 1 or self.prefetch < 0:
             raise ValueError("batch_size must be >= 1 and prefetch >= 0.")
 
@@ -305,21 +313,30 @@ def gpt_activation_bytes(
 def activation_bytes(spec: ModelSpec, options: PlanOptions) -> int:
     """Activation estimate for GPT-like and Llama-family models; ``0`` (reported as unknown) for others."""
     _, compute = PRECISION_BYTES[normalize_precision(options.precision)]
+    cp = options.context_parallel
     if spec.llama is not None:
         from lightning_fsdp.planner.llama import llama_activation_bytes
 
+        local = -(-(options.seq_len or spec.llama.seq_len) // cp)
         return llama_activation_bytes(
-            spec.llama, options.batch_size, options.seq_len, compute_bytes=compute,
+            spec.llama, options.batch_size, local, compute_bytes=compute,
             activation_checkpointing=options.activation_checkpointing, loss_chunk=options.loss_chunk,
-        )
+        ) + (ring_buffer_bytes(options.batch_size * local, spec.llama.kv_dim, compute) if cp > 1 else 0)
     if spec.gpt is None:
         return 0
+    local = -(-(options.seq_len or spec.gpt.seq_len) // cp)
     return gpt_activation_bytes(
         spec.gpt,
         options.batch_size,
-        options.seq_len,
+        local,
         compute_bytes=compute,
         activation_checkpointing=options.activation_checkpointing,
         attention=options.attention,
         loss_chunk=options.loss_chunk,
-    )
+    ) + (ring_buffer_bytes(options.batch_size * local, spec.gpt.d_model, compute) if cp > 1 else 0)
+
+
+def ring_buffer_bytes(tokens: int, kv_width: int, compute_bytes: int) -> int:
+    """Ring attention's transient: the keys and values a rank attends to and the ones arriving from its neighbour,
+    plus the backward's gradient accumulators (fp32) for the chunk that travels."""
+    return tokens * kv_width * (2 * 2 * compute_bytes + 2 * 4)

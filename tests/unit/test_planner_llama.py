@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lightning_fsdp import planner
@@ -126,3 +128,27 @@ def test_a_dpo_reference_copy_adds_one_nth_of_the_base_and_the_planner_says_so(t
     assert "| DPO reference (copy) | 1.87 GiB | a frozen copy of the base, sharded: 1/N" in capsys.readouterr().out
     assert planner.main(["--hf-config", "llama-3-8b", "-n", "8", "--reference", "copy", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["reference"] == copy.reference * 2  # fp32 without mixed precision
+
+
+def test_context_parallel_splits_the_activations_and_nearly_doubles_the_longest_sequence(capsys):
+    """Llama-2-70B QLoRA on 2 × 24 GB: parameters are sharded over both ranks either way, each rank keeps the
+    activations of half the tokens (plus the ring's buffers), so the longest sequence nearly doubles."""
+    from lightning_fsdp.planner.cli import longest_sequence, main
+    from lightning_fsdp.planner.estimate import PlanOptions, estimate
+
+    spec = llama_model_spec(with_lora(llama_dims(PRESETS["llama-2-70b"], 4096), 4, ["q_proj", "v_proj"]))
+    base = PlanOptions(world_size=2, precision="bf16-mixed", quantize_base="nf4", activation_checkpointing=True,
+                       cpu_offload=True, loss_chunk=512, seq_len=8192)
+    split = dataclasses.replace(base, context_parallel=2)
+    one, two = estimate(spec, base), estimate(spec, split)
+    assert (one.params, one.grads, one.optimizer) == (two.params, two.grads, two.optimizer)
+    assert 0.5 < two.activations / one.activations < 0.6
+    budget = 24 * 2**30
+    longest = [longest_sequence(spec, o, budget, 0.1) for o in (base, split)]
+    assert longest[1] % 4 == 0 and 1.9 < longest[1] / longest[0] <= 2.0
+    args = ["--hf-config", "llama-2-70b", "--world-size", "2", "--lora-rank", "4", "--quantize-base", "nf4",
+            "--precision", "bf16-mixed", "--activation-checkpointing", "--cpu-offload", "--device-memory", "24GiB",
+            "--max-seq", "--cp", "2"]
+    assert main(args) == 0 and " tokens × batch 1" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="context_parallel=3 must divide"):
+        dataclasses.replace(base, context_parallel=3)
