@@ -39,6 +39,7 @@ from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.parallel.grad_norm import clip_grad_norm_
 from lightning_fsdp.parallel.placement import MeshPlacement
+from lightning_fsdp.parallel.sequence import splitting
 from lightning_fsdp.precision import MixedPrecisionArg
 from lightning_fsdp.resilience import RelayedLaunch, collective
 from lightning_fsdp.resilience.report import on_uncaught
@@ -86,6 +87,7 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
 
     Takes the Trainer strategy's model arguments (``auto_wrap_policy``, ``activation_checkpointing_policy``,
     ``mixed_precision``, ``cpu_offload``, ``reshard_after_forward``, ``replicate_size``/``shard_size`` for HSDP,
+    ``context_parallel`` (with :meth:`sequence_split` around each step),
     ``pretrained_weights``/``pretrained_key_map``, ``compile``, ``quantize_base``, ``release_host_memory``; see
     :class:`~lightning_fsdp.FSDPCustomStrategy`). Checkpoints are always sharded directories.
     """
@@ -105,6 +107,7 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
         reshard_after_forward: Union[bool, int] = True,
         replicate_size: mesh_utils.SizeArg = 1,
         shard_size: mesh_utils.SizeArg = "auto",
+        context_parallel: int = 1,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = 1800.0,
         pretrained_weights: Optional[compat.PATH] = None,
@@ -115,6 +118,7 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
     ) -> None:
         mesh_utils.check_size("replicate_size", replicate_size)
         mesh_utils.check_size("shard_size", shard_size)
+        mesh_utils.check_context_parallel(context_parallel)
         process_group.check_backend(process_group_backend)
         self.mixed_precision = mixed_precision  # read by the precision setter during super().__init__
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -125,6 +129,7 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.replicate_size = replicate_size
         self.shard_size = shard_size
+        self.context_parallel = context_parallel
         self.compile = compile
         self.quantize_base = quantize_base
         if pretrained_weights is not None:
@@ -187,6 +192,17 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
         """Whether any rank received SIGTERM/SIGUSR1 (a scheduler's preemption notice); every rank gets the same
         answer (one tiny all-reduce). Poll it between steps: ``if fabric.strategy.stop_requested(): fabric.save(...)``."""
         return self.resilience.preemption.agree(self.root_device) != 0
+
+    @contextmanager
+    def sequence_split(self, batch: Any) -> Generator[Any, None, None]:
+        """Under ``context_parallel``: this rank's part of ``batch`` along the sequence (labels shifted first, as
+        ``shift_labels``; ``position_ids`` of the tokens in the whole row), and attention across the group's ranks
+        for the forward *and* backward inside the block. Without it: the batch as it is.
+
+        ``with fabric.strategy.sequence_split(batch) as part: ... fabric.backward(...)``"""
+        part, split = self.runtime.split_sequence(batch)
+        with splitting(split):
+            yield part
 
     # -- model -------------------------------------------------------------------------------------------------------
     @override

@@ -20,6 +20,7 @@ import torch
 
 from tests.helpers.hf import write_llama
 from tests.helpers.launch import SCRIPTS, run_python
+from tests.helpers.parity import assert_params_up_to_adam_noise
 
 pytest.importorskip("transformers")
 
@@ -84,6 +85,17 @@ def two_ranks(model_files, tmp_path_factory) -> dict[str, Any]:
 
 def test_two_ranks_equal_one_process(two_ranks, reference):
     assert_same_run(two_ranks["straight"], reference)
+
+
+def test_context_parallel_in_a_fabric_loop_equals_one_process(model_files, reference, tmp_path):
+    """``FSDPCustomFabricStrategy(context_parallel=2)``: both ranks read the whole global batch, split each row with
+    ``fabric.strategy.sequence_split`` and train through ring attention, as one process on whole sequences."""
+    spec = {**BASE, **model_files, "devices": 2, "strategy": "fsdp_custom", "strategy_kwargs": {"context_parallel": 2},
+            "runs": [{"name": "context"}]}
+    run = fabric_job(spec, tmp_path, "context")["context"]
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]))
+    torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(reference["norms"]))
+    assert_params_up_to_adam_noise(run["params"], reference["params"], BASE["lr"])
 
 
 def test_sharded_average_in_a_fabric_loop_equals_one_process(two_ranks, reference):

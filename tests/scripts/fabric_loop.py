@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import lightning_fsdp  # registers the strategy names for Fabric
+from lightning_fsdp.loss import TokenWeightedLoss, causal_lm_token_loss
 
 
 class ReduceScatterCounter:
@@ -92,9 +93,24 @@ def one_run(fabric: L.Fabric, spec: dict[str, Any], run: dict[str, Any], counter
     world, rank = fabric.world_size, fabric.global_rank
     per_rank = spec["global_batch"] // world
     accumulate = run.get("accumulate", 1)
+    context = getattr(fabric.strategy, "context_parallel", 1)
+    reader = rank // context  # the ranks of a context-parallel group read the same batch, split along the sequence
+    per_rank = spec["global_batch"] * context // world
+    token_loss = TokenWeightedLoss()
     for step in range(start, spec["steps"]):
-        x = data[step][rank * per_rank:(rank + 1) * per_rank]
+        x = data[step][reader * per_rank:(reader + 1) * per_rank]
         before = counter.calls
+        if context > 1:  # as a Fabric user writes a context-parallel step: the summed token loss, one global count
+            with fabric.strategy.sequence_split({"input_ids": x}) as part:
+                logits = model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits
+                total, count = causal_lm_token_loss(logits, part["shift_labels"], shift=False)
+                fabric.backward(token_loss.add(total, count))
+            loss = token_loss.finish_step(model.parameters(), fabric.world_size)
+            result["norms"].append(float(fabric.clip_gradients(model, optimizer, max_norm=spec["clip"])))
+            optimizer.step()
+            optimizer.zero_grad()
+            result["losses"].append(float(loss))
+            continue
         for i, micro in enumerate(x.chunk(accumulate)):
             with fabric.no_backward_sync(model, enabled=i < accumulate - 1):
                 logits = model(input_ids=micro).logits
@@ -188,7 +204,10 @@ def _gather(message: str) -> list[str]:
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    fabric = L.Fabric(accelerator="cpu", devices=spec["devices"], strategy=spec["strategy"],
+    strategy = spec["strategy"]
+    if spec.get("strategy_kwargs"):
+        strategy = lightning_fsdp.FSDPCustomFabricStrategy(**spec["strategy_kwargs"])
+    fabric = L.Fabric(accelerator="cpu", devices=spec["devices"], strategy=strategy,
                       precision=spec.get("precision", "32-true"))
     fabric.launch()
     counter = ReduceScatterCounter()
