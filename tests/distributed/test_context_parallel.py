@@ -80,7 +80,8 @@ def llama(tmp_path_factory):
     return write_llama(tmp_path_factory.mktemp("cp") / "llama")
 
 
-def _cp_runs(llama, tmp_path, *, packed: bool, lora: bool, world: int = 2, context: int = 2) -> tuple[dict, dict]:
+def _cp_runs(llama, tmp_path, *, packed: bool, lora: bool, world: int = 2, context: int = 2,
+             **extra) -> tuple[dict, dict]:
     from tests.helpers.hf import LORA
     from tests.helpers.launch import train
 
@@ -94,18 +95,30 @@ def _cp_runs(llama, tmp_path, *, packed: bool, lora: bool, world: int = 2, conte
                        **({"save_initial": initial} if lora else {})}, tmp_path, "reference")
     sharded = train({"devices": world, "batch_size": GLOBAL_BATCH * context // world, "empty_init": True, "hf": hf,
                      "strategy_kwargs": {"pretrained_weights": str(llama), "context_parallel": context}, **common,
-                     **({"load_initial": initial} if lora else {})}, tmp_path, "sharded", timeout=300)
+                     **({"load_initial": initial} if lora else {}), **extra}, tmp_path, "sharded", timeout=300)
     return sharded, reference
 
 
 @pytest.mark.parametrize("packed,lora", [(False, False), (True, True)], ids=["full", "packed-lora"])
 def test_hf_llama_at_context_parallel_2_trains_as_one_process(llama, tmp_path, packed, lora):
-    sharded, reference = _cp_runs(llama, tmp_path, packed=packed, lora=lora)
+    checkpoints = {"checkpoint_dir": str(tmp_path / "ckpt"),
+                   "checkpoint_kwargs": {"every_n_train_steps": 2, "save_top_k": -1}} if not lora else {}
+    sharded, reference = _cp_runs(llama, tmp_path, packed=packed, lora=lora, **checkpoints)
     assert sharded["world_size"] == 2
     assert_step_gradients_equal(sharded, reference)
     # the step's mean over every token (each rank's own mean differs: the row's last token has no target)
     assert len(reference["logged_losses"]) == STEPS
     torch.testing.assert_close(torch.tensor(sharded["logged_losses"]), torch.tensor(reference["logged_losses"]))
+    if checkpoints:  # cp is not part of the saved layout: the cp=2 checkpoint resumes on one rank, no split
+        from tests.helpers.launch import train
+        from tests.helpers.parity import assert_params_up_to_adam_noise
+
+        resumed = train({"devices": 1, "batch_size": GLOBAL_BATCH, "max_steps": STEPS, "seq": SEQ, "data": {"n": 24},
+                         "hf": {"model_dir": str(llama), "lr": LR, "loss_chunk": None}, "empty_init": True,
+                         "strategy_kwargs": {"pretrained_weights": str(llama)},
+                         "ckpt_path": str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")}, tmp_path, "resumed")
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(sharded["losses"][2:]))
+        assert_params_up_to_adam_noise(resumed["params"], sharded["params"], LR)
 
 
 def assert_step_gradients_equal(run: dict, reference: dict) -> None:
@@ -144,3 +157,27 @@ def test_a_model_whose_attention_is_not_split_is_refused_on_every_rank(tmp_path)
     stderr = run["proc"].stderr
     assert run["proc"].returncode != 0
     assert stderr.count("did not attend across the context-parallel ranks") >= 2, stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_4k_token_sequence_through_smollm2_at_context_parallel_2_equals_one_process(tmp_path):
+    """The real model (SmolLM2-135M-Instruct, 30 layers, grouped queries, tied head) with LoRA: one 4,096-token row
+    split over 2 ranks gives the step's loss and adapter gradients of one process on the whole row."""
+    from tests.helpers.hf import LORA
+    from tests.helpers.launch import train
+    from tests.helpers.real_model import smollm2_dir
+
+    model = str(smollm2_dir())
+    initial = str(tmp_path / "initial.pt")
+    common = {"max_steps": 1, "seq": 4096, "data": {"n": 1}, "record_gradients": True}
+    hf = {"model_dir": model, "lr": LR, "lora": LORA}
+    reference = train({"strategy": "auto", "devices": 1, "batch_size": 1, "save_initial": initial,
+                       "hf": {**hf, "from_pretrained": True}, **common}, tmp_path, "reference", timeout=600)
+    sharded = train({"devices": 2, "batch_size": 1, "empty_init": True, "load_initial": initial, "hf": hf,
+                     "strategy_kwargs": {"pretrained_weights": model, "context_parallel": 2}, **common},
+                    tmp_path, "sharded", timeout=600)
+    torch.testing.assert_close(torch.tensor(sharded["logged_losses"]), torch.tensor(reference["logged_losses"]))
+    got, want = (torch.load(r["gradients_path"], weights_only=True)[0] for r in (sharded, reference))
+    assert got.keys() == want.keys() and len(got) == 2 * 2 * 30
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, msg=lambda m, n=name: f"{n}: {m}")
