@@ -22,6 +22,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_fsdp.formatting import MiB, format_mib  # noqa: E402
+from lightning_fsdp.planner.hardware import peak_tflops  # noqa: E402
 
 PEER_LABELS = {
     "single": "single process (reference)",
@@ -42,8 +43,6 @@ PEER_STYLE = {
 }
 GB = 1e9
 
-#: dense bf16 TFLOP/s per device, for MFU (override with --peak-tflops)
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 125.0, "A10": 125.0}
 
 
 # -- environment ----------------------------------------------------------------------------------------------------
@@ -154,7 +153,7 @@ def mfu(d: dict[str, Any], meta: dict[str, Any], dims: dict[str, int]) -> Option
     peak = meta.get("peak_tflops")
     if not peak:
         gpu = meta["environment"].get("gpu", "")
-        peak = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
+        peak = peak_tflops(gpu)
     if not peak:
         return None
     g = planner.package_gpt(dims["n_layer"], dims["d_model"], dims["n_head"], dims["vocab_size"], dims["seq_len"])

@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import": ("lightning_fsdp.commands.import_gguf", "a GGUF model file → a Hugging Face model directory"),
     "chat": ("lightning_fsdp.commands.chat", "talk to a model: a HF directory, an export, a GGUF file or a checkpoint"),
     "eval": ("lightning_fsdp.commands.eval", "lm-eval tasks on a HF directory or GGUF file, sharded over the ranks"),
+    "check": ("lightning_fsdp.commands.check", "a self-check of this machine or cluster: devices, bandwidth, parity,"
+              " throughput, the planner"),
 }
 
 
