@@ -47,6 +47,7 @@ from lightning_fsdp._torch_compat.kernels import (
     foreach_lerp_,
     foreach_mul_,
     has_forward_hooks,
+    view_base,
 )
 
 __all__ = [
@@ -54,6 +55,6 @@ __all__ = [
     "dcp_metadata_path", "dcp_set_element", "dcp_unpickle_allowlist", "default_store", "fast_paths", "flash_attention_blocks", "foreach_copy_",
     "foreach_lerp_", "foreach_mul_", "fsdp_default_comms", "has_forward_hooks", "hf_init_weights", "hf_storage_info",
     "hold_gathered", "intercept_dispatch", "keep_root_gathered", "load_in_place", "private_reset_parameters",
-    "reset_sharded_params", "spectral_norm_vectors", "storage_holders", "swaps_on_conversion", "use_file_system",
+    "reset_sharded_params", "spectral_norm_vectors", "storage_holders", "swaps_on_conversion", "use_file_system", "view_base",
     "warn_lost",
 ]

@@ -88,6 +88,12 @@ def flash_attention_blocks() -> Optional[tuple[Callable[..., Any], Callable[...,
     return forward, backward
 
 
+def view_base(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """The tensor ``tensor`` is a view of (``None`` if it is not a view): tells a transposed weight that autograd
+    saved for backward from an activation."""
+    return tensor._base
+
+
 # -- module hooks -----------------------------------------------------------------------------------------------------
 def has_forward_hooks(module: nn.Module) -> bool:
     """Whether calling ``module`` runs a forward hook: its own, or one registered for every module."""

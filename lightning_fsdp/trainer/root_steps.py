@@ -10,7 +10,7 @@ each step's batch is cut along the sequence here, and its attention attends acro
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Optional
 
 from lightning.pytorch.strategies import ParallelStrategy
@@ -22,6 +22,7 @@ from lightning_fsdp.generation import reshard_gathered
 from lightning_fsdp.parallel.sequence import SequenceSplit, splitting
 from lightning_fsdp.resilience import collective
 from lightning_fsdp.runtime import ShardedRuntime
+from lightning_fsdp.sharding.activation_offload import ActivationOffload
 
 __all__ = ["RootForwardSteps"]
 
@@ -33,6 +34,8 @@ class RootForwardSteps(ParallelStrategy):
 
     runtime: ShardedRuntime
     _step_split: Optional[SequenceSplit] = None
+    #: saved activations to pinned host memory during the training step (CUDA; inert on CPU)
+    offload_activations: bool = False
 
     @collective("{method} (FSDP parameter all-gathers in forward, or a collective in the step)", gate=False)
     def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -44,7 +47,8 @@ class RootForwardSteps(ParallelStrategy):
             batch, split = self.runtime.split_sequence(args[0])
             args = (batch, *args[1:])
         self._step_split = split  # a checkpointed block recomputed in backward attends the same way
-        with splitting(split):
+        offload = self.offload_activations and method == "training_step" and self.root_device.type == "cuda"
+        with splitting(split), (ActivationOffload() if offload else nullcontext()):
             return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
     @override

@@ -98,6 +98,9 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, RootForward
             optimizer step once RSS has grown 256 MiB past the first step's, and, when most weights are trained, map
             host blocks of 4 MiB or more on their own (``mallopt``), so the heap does not grow. ``None`` (default):
             on when parameters live in CPU memory (a CPU run, or ``cpu_offload``).
+        offload_activations: on CUDA, move the activations saved for backward to pinned host memory on a side
+            stream during the training step, and back for backward (:class:`~lightning_fsdp.sharding
+            .activation_offload.ActivationOffload`; composes with activation checkpointing). Inert on CPU.
     """
 
     strategy_name = "fsdp_custom"
@@ -129,8 +132,10 @@ class FSDPCustomStrategy(RuntimeHolder, compat.ModuleAssignmentHook, RootForward
         skip_nonfinite_steps: bool = False,
         max_nonfinite_steps: int = 10,
         release_host_memory: Optional[bool] = None,
+        offload_activations: bool = False,
     ) -> None:
         self.mixed_precision = mixed_precision  # read by the precision_plugin setter during super().__init__
+        self.offload_activations = bool(offload_activations)
         self.runtime = ShardedRuntime(process_group.as_timedelta(timeout), skip_nonfinite_steps=skip_nonfinite_steps,
                                       max_nonfinite_steps=max_nonfinite_steps, async_save=bool(async_save),
                                       verify_before_load=bool(verify_before_load), wording=TRAINER_WORDING,
