@@ -123,7 +123,10 @@ class ShardedLM(HFLM):
         collectives.barrier(self.device)
 
     # -- the model's work, on the shards -------------------------------------------------------------------------------
-    def _on_shards(self, work: Any) -> Any:
+    def on_shards(self, work: Any) -> Any:
+        """``work()`` as the root's forward with the units gathered as ``rollout_mode`` says; nested calls (each
+        request type inside a whole evaluation) share the outer gathering."""
+
         def gathered() -> Any:
             with rollout_gathering(self.root, self.rollout_mode):
                 return work()
@@ -131,10 +134,10 @@ class ShardedLM(HFLM):
         return in_root_forward(self.root, gathered)
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        return self._on_shards(lambda: super(ShardedLM, self).loglikelihood(requests, disable_tqdm=True))
+        return self.on_shards(lambda: super(ShardedLM, self).loglikelihood(requests, disable_tqdm=True))
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        return self._on_shards(lambda: super(ShardedLM, self).loglikelihood_rolling(requests, disable_tqdm=True))
+        return self.on_shards(lambda: super(ShardedLM, self).loglikelihood_rolling(requests, disable_tqdm=True))
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         mine = [req.args for req in requests]
@@ -342,7 +345,8 @@ def evaluate_tasks(root: nn.Module, model: nn.Module, tokenizer: Any, tasks: Seq
                          " use a model (or tokenizer) that has one.")
     lm = ShardedLM(root, model, tokenizer, batch_size=batch_size, rollout_mode=rollout_mode)
     with _random_state_kept(), _lm_eval_quiet():
-        results = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                                  apply_chat_template=apply_chat_template, task_manager=manager,
-                                  bootstrap_iters=bootstrap_iters, log_samples=log_samples, verbosity="ERROR")
+        # one gathering for the whole evaluation: every request type (and each generation group) runs inside it
+        results = lm.on_shards(lambda: simple_evaluate(
+            model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit, apply_chat_template=apply_chat_template,
+            task_manager=manager, bootstrap_iters=bootstrap_iters, log_samples=log_samples, verbosity="ERROR"))
     return collectives.broadcast_object(results, src=0)

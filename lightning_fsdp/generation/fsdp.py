@@ -18,6 +18,7 @@ extra matmuls (18% of a LoRA decoding step on SmolLM2). Nothing needs unmerging:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,6 +58,8 @@ def in_root_forward(pl_module: Any, work: Callable[[], T]) -> T:
     step (the first forward through the root initialises FSDP, and the root unit's parameters are gathered), as
     Lightning does for ``training_step``. Every unit is resharded after.
     """
+    if pl_module in _IN_ROOT_FORWARD:  # nested (an evaluation inside one gathering): already the root's forward
+        return work()
     was_training = pl_module.training
 
     def forward() -> T:
@@ -65,10 +68,12 @@ def in_root_forward(pl_module: Any, work: Callable[[], T]) -> T:
 
     pl_module.eval()
     pl_module.forward = forward
+    _IN_ROOT_FORWARD.add(pl_module)
     try:
         with torch.no_grad():
             return pl_module()
     finally:
+        _IN_ROOT_FORWARD.discard(pl_module)
         pl_module.__dict__.pop("forward", None)
         pl_module.train(was_training)
         reshard_gathered(pl_module)
@@ -95,6 +100,11 @@ class Gathering:
     folded: int = 0
 
 
+#: modules running as their own root forward (:func:`in_root_forward`) and those gathered for a rollout, by module
+_IN_ROOT_FORWARD: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_GATHERINGS: weakref.WeakKeyDictionary[nn.Module, Gathering] = weakref.WeakKeyDictionary()
+
+
 def _adapter_layers(module: nn.Module) -> list[Any]:
     """PEFT tuner layers that can fold themselves into their base layer (``merge``) and say so (``merged_adapters``)."""
     return [m for m in module.modules() if callable(getattr(m, "merge", None)) and hasattr(m, "merged_adapters")
@@ -117,11 +127,27 @@ def _fold_adapters(module: nn.Module) -> list[Any]:
 @contextmanager
 def rollout_gathering(module: nn.Module, mode: str) -> Iterator[Gathering]:
     """Inside: ``module``'s units gathered as ``mode`` says (see the module's docstring). Every unit is resharded on
-    the way out (any folded adapter goes with its gathered copy), and each keeps its own ``reshard_after_forward``."""
+    the way out (any folded adapter goes with its gathered copy), and each keeps its own ``reshard_after_forward``.
+
+    Nested in a gathering of the same module (a whole evaluation gathered once, its request types inside), it is
+    that gathering: nothing is gathered again, nothing resharded until the outer one ends."""
+    if module in _GATHERINGS:
+        yield _GATHERINGS[module]
+        return
     units = fsdp_units(module)
     if not units:
         yield Gathering()
         return
+    with _gathered(module, mode, units) as gathering:
+        _GATHERINGS[module] = gathering
+        try:
+            yield gathering
+        finally:
+            _GATHERINGS.pop(module, None)
+
+
+@contextmanager
+def _gathered(module: nn.Module, mode: str, units: list[nn.Module]) -> Iterator[Gathering]:
     if mode == "stream":
         try:
             yield Gathering(synchronized=True)
