@@ -3,7 +3,7 @@
 Byte sizes per precision come from the package's one precision table (:data:`lightning_fsdp.precision.PRECISIONS`).
 With ``quantize_base="nf4"`` the frozen linear weights inside blocks are stored, gathered and offloaded in NF4
 (:func:`lightning_fsdp.sharding.nf4.bytes_per_element`), and the one weight being dequantized for its matmul adds
-:data:`DEQUANTIZE_BYTES_PER_ELEMENT` per element while it computes.
+itself in the compute dtype plus one step's transient while it computes (:func:`dequantize_bytes`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ PRECISION_BYTES: dict[str, tuple[int, int]] = {
 #: tensors of optimizer state per parameter (each the size of the parameter shard, in its stored dtype)
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_nomomentum": 0, "none": 0}
 
-#: peak bytes per element while torchao 0.18 dequantizes one NF4 weight for its matmul (4-bit codes widened to int64,
-#: the bf16 levels, scaled halves and the interleaved result): 16.6 measured for bf16 compute, 17.1 for fp32
-DEQUANTIZE_BYTES_PER_ELEMENT = 17
+#: bytes of transient per byte of 4-bit codes while one step of a weight is dequantized (the codes widened to int64,
+#: the bf16 levels and the scaled values): about 12.5 measured; :func:`dequantize_bytes` adds the result itself
+DEQUANTIZE_BYTES_PER_CODE_BYTE = 13
 #: what one quantized tensor stores besides its elements: the scaler mean (bf16) and the 16 levels (bf16)
 NF4_TENSOR_OVERHEAD = 2 + 16 * 2
 
@@ -233,7 +233,7 @@ def estimate(spec: ModelSpec, options: PlanOptions) -> Estimate:
         gathered = gathered_bytes(spec.root.params, quantized, compute) + (1 + options.prefetch) * largest
         # one quantized weight at a time is dequantized for its matmul (forward, and again in backward)
         largest_quantized = max((p.numel for p in spec.params if p.name in quantized), default=0)
-        dequantized = largest_quantized * DEQUANTIZE_BYTES_PER_ELEMENT
+        dequantized = dequantize_bytes(largest_quantized, compute)
         # gradients exist unsharded until their unit's reduce-scatter: the root's for all of backward, plus one unit
         unsharded_grads = (root_trainable + largest_trainable) * reduce_bytes
     elif options.strategy == "ddp":
@@ -334,6 +334,14 @@ def activation_bytes(spec: ModelSpec, options: PlanOptions) -> int:
         attention=options.attention,
         loss_chunk=options.loss_chunk,
     ) + (ring_buffer_bytes(options.batch_size * local, spec.gpt.d_model, compute) if cp > 1 else 0)
+
+
+def dequantize_bytes(numel: int, compute_bytes: int) -> int:
+    """What dequantizing one NF4 weight of ``numel`` elements for its matmul holds at its peak: the weight in the
+    compute dtype, and one step's transient (:func:`lightning_fsdp.sharding.nf4.dequantize`)."""
+    from lightning_fsdp.sharding.nf4 import DEQUANTIZE_STEP
+
+    return numel * compute_bytes + min(numel // 2, DEQUANTIZE_STEP) * DEQUANTIZE_BYTES_PER_CODE_BYTE
 
 
 def ring_buffer_bytes(tokens: int, kv_width: int, compute_bytes: int) -> int:

@@ -46,7 +46,9 @@ def _torchao() -> Any:
             warnings.simplefilter("ignore")
             import importlib
 
-            return importlib.import_module(_MODULE)
+            module = importlib.import_module(_MODULE)
+        _install_linear(module)
+        return module
     except ImportError as err:
         raise ImportError(f"quantize_base='nf4' needs torchao's NF4 tensor ({_MODULE}): {err}. {INSTALL_HINT}.") from None
     finally:
@@ -191,9 +193,65 @@ def bytes_per_element() -> float:
     return 0.5 + 1 / BLOCK_SIZE + 2 / SHARD_ALIGNMENT
 
 
-def dequantize(tensor: Any) -> torch.Tensor:
-    """The bf16 weight an ``NF4Tensor`` stands for (what the matmul uses)."""
-    return tensor.get_original_weight()
+def dequantize(tensor: Any, dtype: torch.dtype = DTYPE) -> torch.Tensor:
+    """The weight an ``NF4Tensor`` stands for, in ``dtype`` (what the matmul uses): torchao's
+    ``get_original_weight().to(dtype)`` value for value, built a step of blocks at a time into the result.
+
+    torchao widens every 4-bit code to int64 and keeps the bf16 levels, the scaled halves and their interleaving at
+    once: about 17 bytes per element, 3.7 GiB for one of Llama-2-70B's MLP weights. Here the transient is one step's
+    (:data:`DEQUANTIZE_STEP` bytes of codes), beside the result itself."""
+    levels = tensor.nf4
+    data = tensor.quantized_data.reshape(-1)
+    scalers = tensor.dequantize_scalers(tensor.quantized_scalers, tensor.quantization_factor, tensor.scaler_block_size)
+    out = torch.empty(tensor.shape, dtype=dtype, device=data.device)
+    pairs = out.view(-1, 2)  # element 2i is the byte's high code, 2i + 1 its low code
+    per_block = tensor.block_size // 2  # bytes of codes per scaler
+    step = max(per_block, DEQUANTIZE_STEP // per_block * per_block)
+    for start in range(0, data.numel(), step):
+        codes = data[start:start + step]
+        scale = scalers[start // per_block:(start + codes.numel()) // per_block].repeat_interleave(per_block)
+        pairs[start:start + codes.numel(), 0] = (levels[(codes >> 4).long()] * scale).to(dtype)
+        pairs[start:start + codes.numel(), 1] = (levels[(codes & 0b1111).long()] * scale).to(dtype)
+    return out
+
+
+#: bytes of 4-bit codes dequantized per step (4 MiB: 8M elements; a transient of about 60 MiB beside the result)
+DEQUANTIZE_STEP = 1 << 22
+
+
+class _LinearNF4(torch.autograd.Function):
+    """``F.linear`` with an NF4 weight, as torchao's ``LinearNF4`` computes it (the weight never has a gradient),
+    through :func:`dequantize`."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, weight: Any) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return torch.nn.functional.linear(input, dequantize(weight, input.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (weight,) = ctx.saved_tensors
+        return grad_output @ dequantize(weight, grad_output.dtype), None
+
+
+def _linear(*args: Any, **kwargs: Any) -> torch.Tensor:
+    input, weight = args[0], args[1]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    out = _LinearNF4.apply(input, weight)
+    return out if bias is None else out + bias
+
+
+def _install_linear(ao: Any) -> None:
+    """Route ``F.linear`` on an ``NF4Tensor`` through :class:`_LinearNF4` (torchao's table of the functions it
+    overrides); where torchao keeps no such table, its own path stays, loudly."""
+    table = getattr(ao, "NF4_TORCH_FUNCTIONS", None)
+    if not isinstance(table, dict) or torch.nn.functional.linear not in table:
+        from lightning_fsdp._torch_compat import warn_lost
+
+        warn_lost("nf4_linear", "each NF4 weight is dequantized through torchao's int64 path for its matmul (about"
+                  " 17 bytes per element at once)", "torchao has no NF4_TORCH_FUNCTIONS table with F.linear.")
+        return
+    table[torch.nn.functional.linear] = _linear
 
 
 def roundtrip(weight: torch.Tensor) -> torch.Tensor:

@@ -146,7 +146,8 @@ def test_the_planner_fits_llama_2_70b_qlora_on_two_24gb_cards_with_offload():
     qlora = estimate(spec, PlanOptions(**options, quantize_base="nf4"))
     gib = 1024**3
     assert 2 * qlora.host < 40 * gib < 2 * lora.host  # host memory over both ranks: well under 64 GB
-    assert qlora.device < 22 * gib and qlora.dequantized == 28672 * 8192 * 17
+    # one MLP weight in bf16 and one 4 MiB step of codes (torchao's own path held 17 bytes per element: 3.7 GiB)
+    assert qlora.device < 22 * gib and qlora.dequantized == 28672 * 8192 * 2 + (1 << 22) * 13
     assert qlora.params < 0.3 * lora.params
 
 
@@ -168,3 +169,50 @@ def test_a_resume_must_hold_the_base_quantized_as_in_training(tmp_path):
     with pytest.raises(CheckpointError, match="quantized with {'block_size': 32"):
         check_quantization(tmp_path, other, ["a.weight", "b.weight"])
     assert QuantizedBase.from_dict(saved.to_dict()) == saved
+
+
+def test_nf4_matmuls_dequantize_as_torchao_does_a_step_at_a_time(monkeypatch):
+    """``F.linear`` on an NF4 weight (forward and backward) and ``nf4.dequantize`` equal torchao's own
+    ``LinearNF4`` and ``get_original_weight`` bit for bit, over several steps of blocks."""
+    from lightning_fsdp.sharding import nf4
+
+    ao = nf4._torchao()
+    monkeypatch.setattr(nf4, "DEQUANTIZE_STEP", 96)  # three blocks of codes a step, and a shorter last step
+    torch.manual_seed(0)
+    weight = nf4.quantize_whole(torch.randn(256, 320))
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(nf4.dequantize(weight, dtype), weight.get_original_weight().to(dtype))
+    x = torch.randn(3, 320, requires_grad=True)
+    reference_x = x.detach().clone().requires_grad_()
+    out, reference = torch.nn.functional.linear(x, weight), ao.LinearNF4.apply(reference_x, weight)
+    assert torch.equal(out, reference)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    reference.backward(grad)
+    assert torch.equal(x.grad, reference_x.grad)
+
+
+def test_dequantizing_one_weight_holds_the_result_and_one_step_not_torchaos_17_bytes_an_element(tmp_path):
+    """Peak RSS while an 8192 × 8192 NF4 weight is dequantized to bf16, in a fresh process with large buffers
+    mapped and unmapped (so that freed memory leaves the RSS)."""
+    import json
+
+    from tests.helpers.launch import run_python
+
+    script = tmp_path / "dequantize.py"
+    script.write_text(
+        "import json, sys, torch\n"
+        "from lightning_fsdp.memory import PeakMemory\n"
+        "from lightning_fsdp.sharding import nf4\n"
+        "n = 8192\n"
+        "weight = nf4.quantize_whole(torch.randn(n, n, dtype=torch.bfloat16))\n"
+        "peaks = {}\n"
+        "for name, fn in (('torchao', lambda: weight.get_original_weight()), ('ours', lambda: nf4.dequantize(weight))):\n"
+        "    tracker = PeakMemory(); tracker.reset(); out = fn(); del out\n"
+        "    peaks[name] = tracker.peak() / n / n\n"
+        "print(json.dumps(peaks))\n"
+    )
+    proc = run_python([str(script)], timeout=240, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    peaks = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert peaks["ours"] < 3.0 < 12.0 < peaks["torchao"], peaks
