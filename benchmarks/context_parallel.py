@@ -100,8 +100,13 @@ def worker(model_dir: Path, out: Path, context_parallel: int, seq: int, steps: i
 
 
 class Runner:
-    def __init__(self, model_dir: Path, tmp: Path, steps: int) -> None:
-        self.model_dir, self.tmp, self.steps = model_dir, tmp, steps
+    """Writes the model once into ``tmp`` and runs configurations of it in fresh processes, keeping every result."""
+
+    def __init__(self, config: dict[str, Any], tmp: Path, steps: int) -> None:
+        from lightning_fsdp.models.hf_causal_lm import write_random_model
+
+        self.model_dir = write_random_model(tmp / "smollm2-shapes", config, max_shard_size="200MB")
+        self.tmp, self.steps = tmp, steps
         self.rows: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
 
     def __call__(self, cp: int, seq: int, steps: int = 0) -> list[dict[str, Any]]:
@@ -181,17 +186,11 @@ def main() -> None:
         return
     import tempfile
 
-    from lightning_fsdp.models.hf_causal_lm import write_random_model
-
     config = {**SMOLLM2_SHAPES, "num_hidden_layers": args.layers}
     seqs = [int(s) for s in (args.seqs or ("512,1024" if args.quick else "4096,8192")).split(",")]
-    budget = (args.budget_mib or (128 if args.quick else 512)) * MIB
-    steps = 2 if args.quick else args.steps
+    budget, steps = (args.budget_mib or (128 if args.quick else 512)) * MIB, 2 if args.quick else args.steps
     with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        model_dir = write_random_model(tmp / "smollm2-shapes", config, max_shard_size="200MB")
-        run = Runner(model_dir, tmp, steps)
-        table = []
+        run, table = Runner(config, Path(tmp_name), steps), []
         for seq in seqs:
             peaks, rates = {}, {}
             for cp in (1, 2):

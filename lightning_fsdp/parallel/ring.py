@@ -15,6 +15,7 @@ has them (:func:`~lightning_fsdp._torch_compat.flash_attention_blocks`), else an
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -121,6 +122,24 @@ def _fold(t: Tensor, groups: int) -> Tensor:
     return t if groups == 1 else t.unflatten(1, (-1, groups)).sum(dim=2)
 
 
+def _visible_blocks(layout: Any, step: int, half: int, docs: Optional[Tensor], current: list[Tensor],
+                    dtype: torch.dtype) -> Iterator[tuple[int, slice, slice, bool, Optional[Tensor], Optional[Tensor]]]:
+    """The blocks of this ring step that see anything: ``(query chunk, its slice, the key slice, the kernel's causal
+    flag, the additive document mask, the rows that see no key)``. At ``step`` the keys held came from the rank
+    ``step`` places before this one; ``current[2]`` are their document ids when the rows are packed."""
+    key_chunks = layout.of_rank((layout.rank - step) % layout.size).chunks
+    k_docs = current[2] if docs is not None else None
+    for qi, q_chunk in enumerate(layout.chunks):
+        for ki, k_chunk in enumerate(key_chunks):
+            causal = _relation(q_chunk, k_chunk)
+            if causal is None:
+                continue
+            qs, ks = slice(qi * half, (qi + 1) * half), slice(ki * half, (ki + 1) * half)
+            mask, blind = _document_mask(docs[:, qs] if docs is not None else None,
+                                         k_docs[:, ks] if k_docs is not None else None, causal, half, dtype)
+            yield qi, qs, ks, causal and mask is None, mask, blind
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, split: SequenceSplit, scale: float, blocks: Any) -> Tensor:
@@ -134,19 +153,10 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             pending = ring.start(current) if step < ring.size - 1 else None
             kc, vc = _expand(current[0], groups), _expand(current[1], groups)
-            k_docs = current[2] if docs is not None else None
-            key_chunks = layout.of_rank((layout.rank - step) % ring.size).chunks
-            for qi, q_chunk in enumerate(layout.chunks):
-                for ki, k_chunk in enumerate(key_chunks):
-                    causal = _relation(q_chunk, k_chunk)
-                    if causal is None:
-                        continue
-                    qs, ks = slice(qi * half, (qi + 1) * half), slice(ki * half, (ki + 1) * half)
-                    mask, blind = _document_mask(docs[:, qs] if docs is not None else None,
-                                                 k_docs[:, ks] if k_docs is not None else None, causal, half, q.dtype)
-                    out, lse = forward_block(q[:, :, qs], kc[:, :, ks], vc[:, :, ks], causal and mask is None, mask, scale)
-                    lse = lse.float() if blind is None else lse.float().masked_fill(blind, float("-inf"))
-                    outs[qi], lses[qi] = _merge(outs[qi], lses[qi], out, lse)
+            for qi, qs, ks, causal, mask, blind in _visible_blocks(layout, step, half, docs, current, q.dtype):
+                out, lse = forward_block(q[:, :, qs], kc[:, :, ks], vc[:, :, ks], causal, mask, scale)
+                lse = lse.float() if blind is None else lse.float().masked_fill(blind, float("-inf"))
+                outs[qi], lses[qi] = _merge(outs[qi], lses[qi], out, lse)
             if pending is not None:
                 _wait(pending[1])
                 current = pending[0]
@@ -169,21 +179,12 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             pending = ring.start(current) if step < ring.size - 1 else None
             kc, vc = _expand(current[0], groups), _expand(current[1], groups)
-            k_docs = current[2] if docs is not None else None
-            key_chunks = layout.of_rank((layout.rank - step) % ring.size).chunks
-            for qi, q_chunk in enumerate(layout.chunks):
-                for ki, k_chunk in enumerate(key_chunks):
-                    causal = _relation(q_chunk, k_chunk)
-                    if causal is None:
-                        continue
-                    qs, ks = slice(qi * half, (qi + 1) * half), slice(ki * half, (ki + 1) * half)
-                    mask, _ = _document_mask(docs[:, qs] if docs is not None else None,
-                                             k_docs[:, ks] if k_docs is not None else None, causal, half, q.dtype)
-                    dq_b, dk_b, dv_b = backward_block(dout[:, :, qs], q[:, :, qs], kc[:, :, ks], vc[:, :, ks],
-                                                      out[:, :, qs], lse[:, :, qs], causal and mask is None, mask, scale)
-                    dq[:, :, qs] += dq_b.float()
-                    grads[0][:, :, ks] += _fold(dk_b.float(), groups)
-                    grads[1][:, :, ks] += _fold(dv_b.float(), groups)
+            for _, qs, ks, causal, mask, _ in _visible_blocks(layout, step, half, docs, current, q.dtype):
+                dq_b, dk_b, dv_b = backward_block(dout[:, :, qs], q[:, :, qs], kc[:, :, ks], vc[:, :, ks],
+                                                  out[:, :, qs], lse[:, :, qs], causal, mask, scale)
+                dq[:, :, qs] += dq_b.float()
+                grads[0][:, :, ks] += _fold(dk_b.float(), groups)
+                grads[1][:, :, ks] += _fold(dv_b.float(), groups)
             if pending is not None:
                 _wait(pending[1])
                 current = pending[0]
