@@ -55,8 +55,8 @@ class SequenceLayout:
         if seq_len % parts:
             raise ValueError(
                 f"A sequence of {seq_len} tokens does not split into {parts} equal chunks (context_parallel="
-                f"{self.size} gives each rank two chunks). Pad rows to a multiple of {parts}"
-                f" (pad_to_multiple_of={parts} in the data module), or choose a context_parallel that divides the length."
+                f"{self.size} gives each rank two chunks). Give the rows a length that is a multiple of {parts}, or"
+                " pass the batch as a dict with 'input_ids' (and 'labels'): such rows are padded at the end for you."
             )
 
     def split(self, tensor: Tensor, dim: int = 1) -> Tensor:
@@ -152,7 +152,8 @@ def split_batch(batch: Any, layout: SequenceLayout, group: Optional[dist.Process
 
     A dict with ``input_ids`` (and optionally ``labels``, ``position_ids``, a right-padded ``attention_mask``):
     the labels (or the inputs) are shifted to :data:`SHIFTED_LABELS` first, ``position_ids`` are the row's own (a
-    packed row's, or ``0..S-1``), and every ``(B, S)`` tensor is cut. The mask is dropped: right padding comes after
+    packed row's, or ``0..S-1``), rows are padded at the end to a multiple of ``2 × size`` (untrained positions),
+    and every ``(B, S)`` tensor is cut. The mask is dropped: right padding comes after
     every real token, so a causal mask already keeps it out. A tuple ``(inputs, targets)`` holds next-token targets
     already (the package's GPT): both are cut, and the positions are the row's.
     """
@@ -166,7 +167,6 @@ def split_batch(batch: Any, layout: SequenceLayout, group: Optional[dist.Process
             f" right-padded 'attention_mask'), or a tuple (inputs, next-token targets); got {type(batch).__name__}."
         )
     input_ids = batch["input_ids"]
-    layout.check_length(input_ids.shape[1])
     mask = batch.get("attention_mask")
     if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
         raise ValueError(
@@ -177,12 +177,17 @@ def split_batch(batch: Any, layout: SequenceLayout, group: Optional[dist.Process
     if mask is not None:
         labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
     positions = batch.get("position_ids")
-    documents = None
-    if positions is not None:
-        documents = layout.split(document_ids(positions))
-    else:
+    if positions is None:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    targets = shifted_labels(labels)
+    pad = -input_ids.shape[1] % (2 * layout.size)
+    if pad:  # padded at the end to split evenly: never a target, and after every real token, so never attended to
+        steps = torch.arange(1, pad + 1, device=positions.device)
+        input_ids = torch.nn.functional.pad(input_ids, (0, pad))
+        targets = torch.nn.functional.pad(targets, (0, pad), value=IGNORE_INDEX)
+        positions = torch.cat([positions, positions[:, -1:] + steps], dim=1)
+    documents = layout.split(document_ids(positions)) if "position_ids" in batch else None
     out = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids", "attention_mask")}
     out.update(input_ids=layout.split(input_ids), position_ids=layout.split(positions),
-               **{SHIFTED_LABELS: layout.split(shifted_labels(labels))})
+               **{SHIFTED_LABELS: layout.split(targets)})
     return out, SequenceSplit(group, layout, documents)

@@ -22,8 +22,10 @@ def test_each_rank_holds_a_head_and_a_tail_chunk_and_restore_inverts_the_split()
 
 
 def test_a_length_that_does_not_split_names_the_multiple_to_pad_to():
-    with pytest.raises(ValueError, match="multiple of 4"):
+    with pytest.raises(ValueError, match="multiple of 4, or pass the batch as a dict"):
         SequenceLayout(2, 0).split(torch.zeros(1, 10))
+    with pytest.raises(ValueError, match="multiple of 4"):  # (inputs, targets) tuples cannot be padded for the user
+        split_batch((torch.zeros(1, 10), torch.zeros(1, 10)), SequenceLayout(2, 0))
 
 
 def test_a_batch_is_shifted_before_it_is_split_and_packed_rows_keep_their_documents():
@@ -34,6 +36,17 @@ def test_a_batch_is_shifted_before_it_is_split_and_packed_rows_keep_their_docume
     assert part["shift_labels"].tolist() == [[103, 104, 105, 106]]  # the chunk's last target is the next chunk's first
     assert part["position_ids"].tolist() == [[2, 0, 1, 2]] and split.documents.tolist() == [[1, 2, 2, 2]]
     assert shifted_labels(ids)[0, -1] == -100 and document_ids(positions).tolist() == [[1, 1, 1, 2, 2, 2, 2, 2]]
+
+
+def test_a_row_that_does_not_split_evenly_is_padded_with_untrained_positions():
+    ids = torch.arange(10)[None] + 100
+    part, _ = split_batch({"input_ids": ids}, SequenceLayout(2, 1))  # 10 tokens → 12 in 4 chunks of 3
+    assert part["input_ids"].tolist() == [[103, 104, 105, 106, 107, 108]]
+    assert part["shift_labels"].tolist() == [[104, 105, 106, 107, 108, 109]]
+    tail, _ = split_batch({"input_ids": ids}, SequenceLayout(2, 0))
+    assert tail["input_ids"].tolist() == [[100, 101, 102, 109, 0, 0]]
+    assert tail["shift_labels"].tolist() == [[101, 102, 103, -100, -100, -100]]
+    assert tail["position_ids"].tolist() == [[0, 1, 2, 9, 10, 11]]
 
 
 def test_padding_is_masked_out_of_the_labels_and_left_padding_is_refused():
@@ -56,6 +69,25 @@ def test_the_mesh_shards_over_shard_times_context_and_refuses_a_context_that_doe
         resolve_mesh_shape(1, "auto", 4, 1, context_parallel=3)
     with pytest.raises(ValueError, match="positive int"):
         resolve_mesh_shape(1, "auto", 4, 1, context_parallel=0)
+
+
+def test_hf_models_switch_to_ring_attention_and_a_custom_attention_is_refused():
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    from lightning_fsdp.hf.ring_attention import RING_ATTENTION, use_ring_attention
+    from tests.helpers.hf import TINY_LLAMA
+
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, attn_implementation="eager"))
+    assert use_ring_attention(torch.nn.ModuleDict({"model": model})) == 1
+    assert model.config._attn_implementation == RING_ATTENTION
+    ids = torch.arange(8)[None]  # outside a split it is transformers' SDPA: the same logits as "sdpa"
+    sdpa = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, attn_implementation="sdpa"))
+    sdpa.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(input_ids=ids).logits, sdpa(input_ids=ids).logits)
+    AttentionInterface.register("banded_attention", lambda *args, **kwargs: None)
+    custom = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, attn_implementation="banded_attention"))
+    with pytest.raises(ValueError, match="cannot split LlamaForCausalLM's attention implementation 'banded_attention'"):
+        use_ring_attention(custom)
 
 
 # -- ring attention on real process groups ----------------------------------------------------------------------------
