@@ -151,6 +151,17 @@ def test_hf_llama_at_context_parallel_2_trains_as_one_process(llama, tmp_path, p
                          "ckpt_path": str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")}, tmp_path, "resumed")
         torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(sharded["losses"][2:]))
         assert_params_up_to_adam_noise(resumed["params"], sharded["params"], LR)
+        # and the other way round: two data-parallel ranks (cp=1) write it, the same two ranks resume at cp=2
+        plain = {"batch_size": GLOBAL_BATCH // 2, "seq": SEQ, "data": {"n": 24}, "empty_init": True, "devices": 2,
+                 "hf": {"model_dir": str(llama), "lr": LR, "loss_chunk": None}}
+        train({**plain, "max_steps": 2, "strategy_kwargs": {"pretrained_weights": str(llama)},
+               "checkpoint_dir": str(tmp_path / "ckpt1"), "checkpoint_kwargs": {"every_n_train_steps": 2}},
+              tmp_path, "written_at_cp1")
+        split = train({**plain, "max_steps": STEPS, "batch_size": GLOBAL_BATCH,
+                       "strategy_kwargs": {"pretrained_weights": str(llama), "context_parallel": 2},
+                       "ckpt_path": str(tmp_path / "ckpt1" / "epoch=0-step=2.ckpt")}, tmp_path, "resumed_at_cp2")
+        torch.testing.assert_close(torch.tensor(split["losses"]), torch.tensor(sharded["losses"][2:]))
+        assert_params_up_to_adam_noise(split["params"], sharded["params"], LR)
 
 
 def assert_step_gradients_equal(run: dict, reference: dict) -> None:
