@@ -91,7 +91,7 @@ def test_hf_models_switch_to_ring_attention_and_a_custom_attention_is_refused():
 
 
 # -- ring attention on real process groups ----------------------------------------------------------------------------
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_attention_equals_the_unsplit_attention_and_its_gradients(world, tmp_path):
     """Both kernels, grouped queries, packed rows whose documents cross chunks and ranks (the script asserts)."""
     out = tmp_path / "ring.json"
@@ -176,6 +176,7 @@ def assert_step_gradients_equal(run: dict, reference: dict) -> None:
             torch.testing.assert_close(mine[name], grad, msg=lambda m, n=name, s=step: f"step {s}, {n}: {m}")
 
 
+@pytest.mark.slow
 def test_gpt_at_context_parallel_2_and_shard_2_on_4_ranks_trains_as_one_process(tmp_path):
     """The package's GPT (rotary tables at global positions, ring attention in its own attention): two data-parallel
     ranks, each pair splitting its sequences."""
