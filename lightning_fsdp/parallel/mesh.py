@@ -47,6 +47,10 @@ class MeshShape:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MeshShape.{name} must be a positive int, got {value!r}.")
 
+    def __repr__(self) -> str:
+        context = f", context={self.context}" if self.context > 1 else ""
+        return f"MeshShape(replicate={self.replicate}, shard={self.shard}{context})"
+
     @property
     def world_size(self) -> int:
         return self.replicate * self.shard * self.context
