@@ -88,7 +88,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"Sequence of length {whole} is longer than the model's seq_len={self.max_seq_len}.")
         if split is None:
             return self.cos[:seq_len].to(device), self.sin[:seq_len].to(device)
-        positions = split.layout.positions(whole, self.cos.device)
+        positions = split.layout.local_positions(seq_len, self.cos.device)
         return self.cos[positions].to(device), self.sin[positions].to(device)
 
 

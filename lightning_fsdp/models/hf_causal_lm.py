@@ -133,8 +133,7 @@ class HFCausalLM(L.LightningModule):
             inputs, (input_ids, labels), shift = {}, batch, False
             split = active_split()
             if split is not None:  # a context-parallel rank's chunks: rotary tables at the tokens' global positions
-                whole = input_ids.shape[1] * split.layout.size
-                inputs["position_ids"] = split.layout.positions(whole, input_ids.device).expand_as(input_ids)
+                inputs["position_ids"] = split.layout.local_positions(input_ids.shape[1], input_ids.device).expand_as(input_ids)
         chunk = self.hparams.get("loss_chunk")
         if chunk:
             hidden, head = self._hidden_states(input_ids, **inputs)

@@ -70,6 +70,10 @@ class SequenceLayout:
         """The indices within the whole row of this rank's tokens (for rotary tables and the causal mask)."""
         return self.split(torch.arange(seq_len, device=device)[None])[0]
 
+    def local_positions(self, local_len: int, device: Optional[torch.device] = None) -> Tensor:
+        """:meth:`positions` of a row whose part on this rank holds ``local_len`` tokens."""
+        return self.positions(local_len * self.size, device)
+
     def restore(self, pieces: list[Tensor], dim: int = 1) -> Tensor:
         """Whole rows from every rank's :meth:`split` (``pieces[r]`` from rank ``r``): the inverse, for tests and
         for gathering per-token outputs."""

@@ -311,29 +311,29 @@ def gpt_activation_bytes(
 
 
 def activation_bytes(spec: ModelSpec, options: PlanOptions) -> int:
-    """Activation estimate for GPT-like and Llama-family models; ``0`` (reported as unknown) for others."""
+    """Activation estimate for GPT-like and Llama-family models; ``0`` (reported as unknown) for others. Under
+    context parallelism a rank keeps the activations of ``seq_len / context_parallel`` tokens, plus the ring's
+    buffers."""
     _, compute = PRECISION_BYTES[normalize_precision(options.precision)]
+    dims = spec.llama if spec.llama is not None else spec.gpt
+    if dims is None:
+        return 0
     cp = options.context_parallel
+    local = -(-(options.seq_len or dims.seq_len) // cp)
+    ring = ring_buffer_bytes(options.batch_size * local, getattr(dims, "kv_dim", dims.d_model), compute) if cp > 1 else 0
     if spec.llama is not None:
         from lightning_fsdp.planner.llama import llama_activation_bytes
 
-        local = -(-(options.seq_len or spec.llama.seq_len) // cp)
-        return llama_activation_bytes(
+        return ring + llama_activation_bytes(
             spec.llama, options.batch_size, local, compute_bytes=compute,
             activation_checkpointing=options.activation_checkpointing, loss_chunk=options.loss_chunk,
-        ) + (ring_buffer_bytes(options.batch_size * local, spec.llama.kv_dim, compute) if cp > 1 else 0)
-    if spec.gpt is None:
-        return 0
-    local = -(-(options.seq_len or spec.gpt.seq_len) // cp)
-    return gpt_activation_bytes(
-        spec.gpt,
-        options.batch_size,
-        local,
-        compute_bytes=compute,
-        activation_checkpointing=options.activation_checkpointing,
-        attention=options.attention,
+        )
+    assert spec.gpt is not None
+    return ring + gpt_activation_bytes(
+        spec.gpt, options.batch_size, local, compute_bytes=compute,
+        activation_checkpointing=options.activation_checkpointing, attention=options.attention,
         loss_chunk=options.loss_chunk,
-    ) + (ring_buffer_bytes(options.batch_size * local, spec.gpt.d_model, compute) if cp > 1 else 0)
+    )
 
 
 def dequantize_bytes(numel: int, compute_bytes: int) -> int:

@@ -36,6 +36,7 @@ class RootForwardSteps(ParallelStrategy):
     _step_split: Optional[SequenceSplit] = None
     #: saved activations to pinned host memory during the training step (CUDA; inert on CPU)
     offload_activations: bool = False
+    _activation_offload: Optional[ActivationOffload] = None
 
     @collective("{method} (FSDP parameter all-gathers in forward, or a collective in the step)", gate=False)
     def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -47,8 +48,12 @@ class RootForwardSteps(ParallelStrategy):
             batch, split = self.runtime.split_sequence(args[0])
             args = (batch, *args[1:])
         self._step_split = split  # a checkpointed block recomputed in backward attends the same way
-        offload = self.offload_activations and method == "training_step" and self.root_device.type == "cuda"
-        with splitting(split), (ActivationOffload() if offload else nullcontext()):
+        offloading: Any = nullcontext()
+        if self.offload_activations and method == "training_step" and self.root_device.type == "cuda":
+            if self._activation_offload is None:
+                self._activation_offload = ActivationOffload()  # one side stream for the whole run
+            offloading = self._activation_offload
+        with splitting(split), offloading:
             return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
     @override

@@ -10,6 +10,7 @@ import torch
 
 from lightning_fsdp.parallel.sequence import SequenceLayout, document_ids, shifted_labels, split_batch
 from tests.helpers.launch import SCRIPTS, run_python
+from tests.helpers.parity import assert_step_gradients_equal
 
 
 # -- the layout: pure functions ---------------------------------------------------------------------------------------
@@ -137,7 +138,7 @@ def test_hf_llama_at_context_parallel_2_trains_as_one_process(llama, tmp_path, p
                    "checkpoint_kwargs": {"every_n_train_steps": 2, "save_top_k": -1}} if not lora else {}
     sharded, reference = _cp_runs(llama, tmp_path, packed=packed, lora=lora, **checkpoints)
     assert sharded["world_size"] == 2
-    assert_step_gradients_equal(sharded, reference)
+    assert_step_gradients_equal(sharded, reference, STEPS)
     # the step's mean over every token (each rank's own mean differs: the row's last token has no target)
     assert len(reference["logged_losses"]) == STEPS
     torch.testing.assert_close(torch.tensor(sharded["logged_losses"]), torch.tensor(reference["logged_losses"]))
@@ -164,18 +165,6 @@ def test_hf_llama_at_context_parallel_2_trains_as_one_process(llama, tmp_path, p
         assert_params_up_to_adam_noise(split["params"], sharded["params"], LR)
 
 
-def assert_step_gradients_equal(run: dict, reference: dict) -> None:
-    """Every step's whole gradients at torch's fp32 tolerances (what Adam then turns into the parameters: it scales
-    float noise in gradient elements that are mathematically ~0 up to a step of ``lr``, so parameters after Adam are
-    compared through their gradients)."""
-    got, want = (torch.load(r["gradients_path"], weights_only=True) for r in (run, reference))
-    assert len(got) == len(want) == STEPS
-    for step, (mine, theirs) in enumerate(zip(got, want)):
-        assert mine.keys() == theirs.keys() and mine
-        for name, grad in theirs.items():
-            torch.testing.assert_close(mine[name], grad, msg=lambda m, n=name, s=step: f"step {s}, {n}: {m}")
-
-
 @pytest.mark.slow
 def test_gpt_at_context_parallel_2_and_shard_2_on_4_ranks_trains_as_one_process(tmp_path):
     """The package's GPT (rotary tables at global positions, ring attention in its own attention): two data-parallel
@@ -188,7 +177,7 @@ def test_gpt_at_context_parallel_2_and_shard_2_on_4_ranks_trains_as_one_process(
     sharded = train({"devices": 4, "batch_size": GLOBAL_BATCH // 2, "empty_init": True,
                      "strategy_kwargs": {"context_parallel": 2}, **common}, tmp_path, "sharded", timeout=300)
     assert sharded["world_size"] == 4
-    assert_step_gradients_equal(sharded, reference)
+    assert_step_gradients_equal(sharded, reference, STEPS)
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(reference["losses"]))
 
 

@@ -194,7 +194,7 @@ def test_qlora_on_a_2x2_hsdp_mesh_in_bf16_mixed(base, reference, tmp_path):
 def test_qlora_at_context_parallel_2_trains_as_the_nf4_reference(base, reference, tmp_path):
     """Rows of 8 tokens split over 2 ranks (ring attention through the quantized base): every step's adapter
     gradients and loss equal the one-process NF4 reference on whole rows."""
-    from tests.distributed.test_context_parallel import assert_step_gradients_equal
+    from tests.helpers.parity import assert_step_gradients_equal
 
     hf = {"model_dir": str(base), "from_pretrained": True, "lora": LORA, "lr": LR, "nf4_reference": True}
     initial = str(tmp_path / "initial.pt")
@@ -203,5 +203,5 @@ def test_qlora_at_context_parallel_2_trains_as_the_nf4_reference(base, reference
                    **common}, tmp_path, "whole")
     split = train({**_spec(base, 2, strategy_kwargs={"context_parallel": 2}), "batch_size": GLOBAL_BATCH,
                    "load_initial": initial, **common}, tmp_path, "split", timeout=300)
-    assert_step_gradients_equal(split, whole)
+    assert_step_gradients_equal(split, whole, 3)
     torch.testing.assert_close(torch.tensor(split["logged_losses"]), torch.tensor(whole["logged_losses"]))

@@ -18,3 +18,15 @@ def assert_params_up_to_adam_noise(params: dict, expected: dict, lr: float) -> N
         assert ((got - want).abs()[~close] <= 2 * lr).all(), name
         off, total = off + int((~close).sum()), total + want.numel()
     assert off <= total // 1000, (off, total)
+
+
+def assert_step_gradients_equal(run: dict, reference: dict, steps: int) -> None:
+    """Every one of ``steps`` steps' whole gradients at torch's fp32 tolerances (what Adam then turns into the
+    parameters: it scales float noise in gradient elements that are mathematically ~0 up to a step of ``lr``, so
+    parameters after Adam are compared through their gradients). Both runs recorded them (``record_gradients``)."""
+    got, want = (torch.load(r["gradients_path"], weights_only=True) for r in (run, reference))
+    assert len(got) == len(want) == steps
+    for step, (mine, theirs) in enumerate(zip(got, want)):
+        assert mine.keys() == theirs.keys() and mine
+        for name, grad in theirs.items():
+            torch.testing.assert_close(mine[name], grad, msg=lambda m, n=name, s=step: f"step {s}, {n}: {m}")
