@@ -175,18 +175,11 @@ RANK_FIELDS = ("params", "grads", "optimizer", "peak")
 
 
 @dataclass(frozen=True)
-class RankMemory:
-    """One rank's row of the report."""
+class RankMemory(StateBytes):
+    """One rank's row of the report: its state (``total``) and its peak."""
 
-    rank: int
-    params: int
-    grads: int
-    optimizer: int
-    peak: int
-
-    @property
-    def state(self) -> int:
-        return self.params + self.grads + self.optimizer
+    rank: int = 0
+    peak: int = 0
 
 
 def format_memory_table(
@@ -203,10 +196,10 @@ def format_memory_table(
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        ratio = f"{r.state / ideal_total:.3f}" if ideal_total else "-"
+        ratio = f"{r.total / ideal_total:.3f}" if ideal_total else "-"
         lines.append(
             f"| {r.rank} | {format_bytes(r.params)} | {format_bytes(r.grads)} | {format_bytes(r.optimizer)}"
-            f" | {format_bytes(r.state)} | {ratio} | {format_bytes(r.peak)} |"
+            f" | {format_bytes(r.total)} | {ratio} | {format_bytes(r.peak)} |"
         )
     lines.append(
         f"| unsharded | {format_bytes(unsharded.params)} | {format_bytes(unsharded.grads)}"

@@ -198,14 +198,6 @@ class ShardedRuntime:
             prepare_model(module, self.device_mesh, Preparation(plan, device, pretrained_weights, True, None))
         return module
 
-    @property
-    def pretrained_base(self) -> Optional[BaseReference]:
-        return self.prepared.base
-
-    @property
-    def quantized_base(self) -> Optional[QuantizedBase]:
-        return self.prepared.quantized
-
     # -- checkpoints ---------------------------------------------------------------------------------------------------
     def save(
         self,
@@ -216,7 +208,7 @@ class ShardedRuntime:
         full: bool = False,
     ) -> None:
         """Describe the HF model, leave out the frozen base (recording where it comes from), then save."""
-        annotate_checkpoint(checkpoint, model, self.pretrained_base, not full, self.quantized_base)
+        annotate_checkpoint(checkpoint, model, self.prepared.base, not full, self.prepared.quantized)
         with worded_for(self.wording):
             self.checkpointer.save(checkpoint, path, mesh_shape=mesh_shape, full=full)
 
@@ -236,7 +228,7 @@ class ShardedRuntime:
                 model=model,
                 optimizers=optimizers,
                 strict=strict,
-                resolve_base=lambda reference: resolve_base(model, reference, self.pretrained_base),
+                resolve_base=lambda reference: resolve_base(model, reference, self.prepared.base),
                 model_entries=model_entries,
             )
 
@@ -288,12 +280,12 @@ class RuntimeHolder:
     @property
     def pretrained_base(self) -> Optional[BaseReference]:
         """The safetensors base setup loaded, if any: sharded checkpoints refer to it instead of storing it."""
-        return self.runtime.pretrained_base
+        return self.runtime.prepared.base
 
     @property
     def quantized_base(self) -> Optional[QuantizedBase]:
         """The frozen weights setup holds in NF4, if any."""
-        return self.runtime.quantized_base
+        return self.runtime.prepared.quantized
 
     @property
     def checkpointer(self) -> Checkpointer:

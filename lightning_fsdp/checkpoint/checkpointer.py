@@ -26,6 +26,7 @@ from torch import nn
 from lightning_fsdp.checkpoint import commit as commit_ops
 from lightning_fsdp.checkpoint import full, sharded, sharded_load
 from lightning_fsdp.checkpoint.base_weights import BaseResolver
+from lightning_fsdp.checkpoint.load_options import LoadOptions
 from lightning_fsdp.checkpoint.checksums import kind_of
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.sharded import SAVE_HINT, StagedSave, agreed
@@ -233,9 +234,5 @@ class Checkpointer:
             )
 
         kind = broadcast_object(agreed(on_rank_zero(detect), f"Loading checkpoint {path}"))
-        if kind == "dir":
-            return sharded_load.load(
-                path, model, list(optimizers), strict, self.verify_checksums, resolve_base, tuple(model_entries),
-                self.verify_before_load,
-            )
-        return full.load(path, model, list(optimizers), strict, self.verify_checksums, tuple(model_entries))
+        options = LoadOptions(strict, self.verify_checksums, tuple(model_entries), resolve_base, self.verify_before_load)
+        return (sharded_load if kind == "dir" else full).load(path, model, list(optimizers), options)

@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_fsdp.checkpoint import commit as commit_ops
 from lightning_fsdp.checkpoint.checksums import kind_of
+from lightning_fsdp.checkpoint.load_options import LoadOptions
 from lightning_fsdp.checkpoint.compatibility import check_count, check_entry_fits, check_fits, describe
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.checkpoint.safe_load import safe_torch_load
@@ -59,16 +60,9 @@ def full_payload(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     return assemble_full_checkpoint(meta, {p: t.detach() for p, t in tensors.items()})
 
 
-def load(
-    path: Path,
-    model: nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer],
-    strict: bool,
-    checksums: bool = True,
-    model_entries: Sequence[str] = (),
-) -> dict[str, Any]:
+def load(path: Path, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], options: LoadOptions) -> dict[str, Any]:
     """Restore ``model`` (and ``optimizers``) from a full file (every rank); returns the rest of the checkpoint,
-    with the ``model_entries`` asked for (keyed like the model, e.g. an EMA's) scattered into shards like the
+    with the ``options.model_entries`` asked for (keyed like the model, e.g. an EMA's) scattered into shards like the
     model's (rank 0 holds the file; no rank receives more than its shards)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -79,6 +73,7 @@ def load(
 
     from lightning_fsdp.sharding.quantize import quantized_names
 
+    strict, model_entries = options.strict, options.model_entries
     if quantized_names(model):
         raise CheckpointError(
             f"{path} is a full checkpoint, which holds the base in full precision; this run holds it quantized"
@@ -90,7 +85,7 @@ def load(
     holder: dict[str, Any] = {}
 
     def read() -> dict[str, Any]:
-        check_zip(path, checksums)
+        check_zip(path, options.checksums)
         ckpt = safe_torch_load(path, where=path, mmap=zipfile.is_zipfile(path))
         if not isinstance(ckpt, dict):
             raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a Lightning checkpoint dict.")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -22,7 +22,6 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_fsdp.checkpoint.base_weights import (
-    BaseResolver,
     check_quantization,
     pop_quantized,
     pop_reference,
@@ -30,6 +29,7 @@ from lightning_fsdp.checkpoint.base_weights import (
 )
 from lightning_fsdp.checkpoint.compatibility import check_count, check_entry_fits, check_fits, describe
 from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.checkpoint.load_options import LoadOptions
 from lightning_fsdp.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -71,19 +71,10 @@ def raise_if_damaged(path: Path, problems: list[str]) -> None:
         raise_damaged(path, sorted({p for per_rank in all_gather_object(problems) for p in per_rank}))
 
 
-def load(
-    path: Path,
-    model: nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer],
-    strict: bool,
-    checksums: bool = True,
-    resolve_base: Optional[BaseResolver] = None,
-    model_entries: Sequence[str] = (),
-    verify_before_load: bool = False,
-) -> dict[str, Any]:
+def load(path: Path, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], options: LoadOptions) -> dict[str, Any]:
     """Restore ``model`` and ``optimizers`` from the sharded checkpoint ``path`` (every rank). Returns the rest of
     the Lightning checkpoint. A checkpoint that refers to frozen base weights has them restored by
-    ``resolve_base`` (after every check, before its own tensors are read). ``model_entries``: the entries keyed
+    ``options.resolve_base`` (after every check, before its own tensors are read). ``model_entries``: the entries keyed
     like the model (``SCHEMA.model_like``, e.g. an EMA's) that a callback will take, returned resharded like the
     model; other such entries are not read (they would cost memory for nothing).
 
@@ -99,6 +90,8 @@ def load(
         set_optimizer_state_dict,
     )
 
+    strict, checksums, model_entries = options.strict, options.checksums, options.model_entries
+    resolve_base, verify_before_load = options.resolve_base, options.verify_before_load
     manifest = agreed_manifest(path)
     if manifest.world_size != world_size():
         rank_zero_info(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 
@@ -21,3 +22,23 @@ def fail(name: str, err: BaseException) -> int:
     """Report a refused input on stderr as ``lightning-fsdp NAME: error: ...``; the exit code is 1."""
     print(f"lightning-fsdp {name}: error: {err}", file=sys.stderr)
     return 1
+
+
+def checkpoint_command(name: str, doc: Optional[str], argv: Optional[list[str]], path: tuple[str, str],
+                       run: Callable[[argparse.Namespace], int], flags: Sequence[tuple[str, str]] = (),
+                       refusal: Callable[[argparse.Namespace, Exception], str] = lambda args, err: f"error: {err}") -> int:
+    """A subcommand over one checkpoint: ``path`` is its argument's metavar and help, ``flags`` its ``--flag``
+    switches (name, help); ``run(args)`` returns the exit code, and a refused checkpoint (``CheckpointError``) is
+    reported on stderr as ``lightning-fsdp NAME: <refusal(args, err)>`` with exit code 1."""
+    from lightning_fsdp.checkpoint import CheckpointError
+
+    parser = command_parser(name, doc)
+    parser.add_argument("path", metavar=path[0], help=path[1])
+    for flag, help in flags:
+        parser.add_argument(flag, action="store_true", help=help)
+    args = arguments(parser, argv)
+    try:
+        return run(args)
+    except CheckpointError as err:
+        print(f"lightning-fsdp {name}: {refusal(args, err)}", file=sys.stderr)
+        return 1

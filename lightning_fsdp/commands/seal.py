@@ -4,22 +4,20 @@ its files hashed and a manifest written. Loading keeps refusing code in it (the 
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Optional
 
-from lightning_fsdp.checkpoint import CheckpointError
 from lightning_fsdp.checkpoint.seal import seal
-from lightning_fsdp.commands import arguments, command_parser, fail
+from lightning_fsdp.commands import checkpoint_command
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = command_parser("seal", __doc__)
-    parser.add_argument("path", metavar="DIR", help="a DCP checkpoint directory without manifest.json")
-    args = arguments(parser, argv)
-    try:
-        summary = seal(args.path)
-    except CheckpointError as err:
-        return fail("seal", err)
+    return checkpoint_command("seal", __doc__, argv, ("DIR", "a DCP checkpoint directory without manifest.json"), _seal)
+
+
+def _seal(args: argparse.Namespace) -> int:
+    summary = seal(args.path)
     print(
         f"sealed {summary['path']}: {summary['tensors']} tensors in {summary['files']} files, saved on"
         f" {summary['world_size']} rank(s), {summary['optimizers']} optimizer state(s),"

@@ -7,24 +7,23 @@ Nothing is unpickled beyond the manifest, and no tensor is loaded.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Optional
 
-from lightning_fsdp.checkpoint import CheckpointError, verify_checkpoint
-from lightning_fsdp.commands import arguments, command_parser
+from lightning_fsdp.checkpoint import verify_checkpoint
+from lightning_fsdp.commands import checkpoint_command
 from lightning_fsdp.formatting import format_bytes
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = command_parser("verify", __doc__)
-    parser.add_argument("path", metavar="PATH", help="a sharded checkpoint directory or a .ckpt file")
-    parser.add_argument("--no-checksums", action="store_true", help="check sizes only (no file is read through)")
-    args = arguments(parser, argv)
-    try:
-        manifest = verify_checkpoint(args.path, checksums=not args.no_checksums)
-    except CheckpointError as err:
-        print(f"lightning-fsdp verify: {args.path}: NOT OK: {err}", file=sys.stderr)
-        return 1
+    return checkpoint_command("verify", __doc__, argv, ("PATH", "a sharded checkpoint directory or a .ckpt file"),
+                              _verify, flags=[("--no-checksums", "check sizes only (no file is read through)")],
+                              refusal=lambda args, err: f"{args.path}: NOT OK: {err}")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    manifest = verify_checkpoint(args.path, checksums=not args.no_checksums)
     what = "sizes" if args.no_checksums else "sizes and checksums"
     if manifest is None:
         print(f"{args.path}: OK (archive {'structure' if args.no_checksums else 'CRCs'} intact)")

@@ -14,33 +14,16 @@ from lightning_fsdp.data.order import GlobalOrderLoader, GlobalOrderSampler
 from lightning_fsdp.data.preference import PreferenceDataModule
 from lightning_fsdp.data.prompts import PromptDataModule
 from lightning_fsdp.data.sft import SFTDataModule
-from lightning_fsdp.data.shapes import SHAPES, ShapesDataModule, SyntheticShapes
-from lightning_fsdp.data.text import (
-    VOCAB_SIZE,
-    TextCorpusDataModule,
-    TokenWindows,
-    build_corpus,
-    decode,
-    encode,
-    generated_corpus,
-    stdlib_docstrings,
-)
+from lightning_fsdp.data.shapes import ShapesDataModule
+from lightning_fsdp.data.text import TextCorpusDataModule
 
+# the DataModules and the loaders every one of them trains with; their helpers stay in their modules
 __all__ = [
-    "PreferenceDataModule",
-    "PromptDataModule",
     "GlobalOrderLoader",
     "GlobalOrderSampler",
+    "PreferenceDataModule",
+    "PromptDataModule",
     "SFTDataModule",
-    "SHAPES",
-    "VOCAB_SIZE",
     "ShapesDataModule",
-    "SyntheticShapes",
     "TextCorpusDataModule",
-    "TokenWindows",
-    "build_corpus",
-    "decode",
-    "encode",
-    "generated_corpus",
-    "stdlib_docstrings",
 ]

@@ -32,13 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_fsdp.data.order import GlobalOrderSampler, data_parallel_rank
-from lightning_fsdp.data.prepared_splits import PreparedSplits, SplitSources, encode_splits, prepare_splits
+from lightning_fsdp.data.prepared_splits import PreparedSplits, SplitKind, SplitSources
 from lightning_fsdp.cache import cache_root
 from lightning_fsdp.data.sft.module import check_model_fits, load_tokenizer
 from lightning_fsdp.data.sft.source import column_names
@@ -102,6 +103,13 @@ def _shared_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class PairRecipe(SplitSources):
+    fmt: str
+    seq_len: int
+    chat_template: Optional[str]
+
+
 @dataclass
 class PairEncoder:
     """One row → ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` and a :class:`PairStatus`; picklable."""
@@ -143,43 +151,22 @@ class PairEncoder:
             prompt_ids, chosen_ids, rejected_ids = [], [], []
         return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "status": status}
 
-    def encode_batch(self, batch: Mapping[str, list[Any]]) -> dict[str, list[Any]]:
-        n = len(next(iter(batch.values())))
-        out: dict[str, list[Any]] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "status": []}
-        for i in range(n):
-            for key, value in self.encode({k: v[i] for k, v in batch.items()}).items():
-                out[key].append(value)
-        return out
 
 
-@dataclass(frozen=True)
-class PairRecipe(SplitSources):
-    fmt: str
-    seq_len: int
-    chat_template: Optional[str]
+def _judge_pairs(recipe: PairRecipe, split: str, data: Any, encoded: Any) -> tuple[dict[str, Any], list[int]]:
+    statuses = np.asarray(encoded["status"], dtype=np.int64)
+    counts = np.bincount(statuses, minlength=len(PairStatus.NAMES))
+    stats = {"pairs": len(data), **{name: int(counts[c]) for c, name in PairStatus.NAMES.items()}}
+    keep = np.flatnonzero(statuses <= PairStatus.TRUNCATED).tolist()
+    if split == "train" and not keep:
+        raise ValueError(f"No preference pair is left to train on: {describe_pairs(stats)}."
+                         f" Raise seq_len={recipe.seq_len}, or check that chosen and rejected differ.")
+    return stats, keep
 
 
-def prepare_pairs(recipe: PairRecipe, encoder: PairEncoder, cache_root: Path, num_proc: Optional[int] = None) -> Path:
-    """The prepared directory for ``recipe`` (tokenized, filtered pairs per split and their counts), built once."""
-    return prepare_splits("pairs", recipe, encoder.tokenizer, PAIR_ENCODING_VERSION, cache_root,
-                          lambda out: _build_pairs(recipe, encoder, cache_root, out, num_proc))
-
-
-def _build_pairs(recipe: PairRecipe, encoder: PairEncoder, cache_root: Path, tmp: Path, num_proc: Optional[int]) -> None:
-    import numpy as np
-
-    def judge(split: str, data: Any, encoded: Any) -> tuple[dict[str, Any], list[int]]:
-        statuses = np.asarray(encoded["status"], dtype=np.int64)
-        counts = np.bincount(statuses, minlength=len(PairStatus.NAMES))
-        stats = {"pairs": len(data), **{name: int(counts[c]) for c, name in PairStatus.NAMES.items()}}
-        keep = np.flatnonzero(statuses <= PairStatus.TRUNCATED).tolist()
-        if split == "train" and not keep:
-            raise ValueError(f"No preference pair is left to train on: {describe_pairs(stats)}."
-                             f" Raise seq_len={recipe.seq_len}, or check that chosen and rejected differ.")
-        return stats, keep
-
-    empty = {"pairs": 0, **{name: 0 for name in PairStatus.NAMES.values()}}
-    encode_splits(recipe, encoder.encode_batch, cache_root / "sources", tmp, num_proc, "pairs", empty, judge)
+#: tokenized, filtered pairs per split and their counts
+PAIRS = SplitKind("pairs", PAIR_ENCODING_VERSION, {"pairs": 0, **{name: 0 for name in PairStatus.NAMES.values()}},
+                  _judge_pairs)
 
 
 def describe_pairs(split_stats: Mapping[str, int]) -> str:
@@ -248,6 +235,8 @@ class PreferenceDataModule(PreparedSplits):
         cache_dir: where prepared sets are kept (default ``$LIGHTNING_FSDP_CACHE/preference``).
     """
 
+    kind = PAIRS
+
     def __init__(
         self,
         path: Union[str, Path],
@@ -282,10 +271,6 @@ class PreferenceDataModule(PreparedSplits):
         self.pad_id = int(pad or 0)
         self.batch_size, self.seed, self.num_workers, self.num_proc = batch_size, int(seed), num_workers, num_proc
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else cache_root("preference")
-
-    @override
-    def prepare_root(self) -> Path:
-        return prepare_pairs(self.recipe, self.encoder, self.cache_dir, self.num_proc)
 
     @override
     def rows(self, tokenized: Any) -> PairRows:

@@ -9,8 +9,9 @@ node, ``setup`` opens it on every rank.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -22,11 +23,21 @@ from lightning_fsdp.data._loaders import SplitDataModule
 from lightning_fsdp.data.sft.prepared import recipe_key
 from lightning_fsdp.data.sft.source import train_val_sources
 
-__all__ = ["PreparedSplits", "SplitSources", "encode_splits", "prepare_splits"]
+__all__ = ["PreparedSplits", "SplitKind", "SplitSources", "encode_rows", "encode_splits", "prepare_splits"]
 
 #: ``judge(split, source rows, encoded rows) -> (the split's stats, indices of the encoded rows to keep)``; it raises
 #: to refuse the data
 Judge = Callable[[str, Any, Any], tuple[dict[str, Any], Sequence[int]]]
+
+
+def encode_rows(batch: Mapping[str, list[Any]], encode: Callable[[dict[str, Any]], Mapping[str, Any]]) -> dict[str, list[Any]]:
+    """A batch of columns (``datasets.map(batched=True)``) encoded row by row with ``encode(row) -> fields``, back as
+    columns."""
+    out: dict[str, list[Any]] = {}
+    for i in range(len(next(iter(batch.values())))):
+        for key, value in encode({k: v[i] for k, v in batch.items()}).items():
+            out.setdefault(key, []).append(value)
+    return out
 
 
 @dataclass(frozen=True)
@@ -40,11 +51,29 @@ class SplitSources:
     seed: int
 
 
-def prepare_splits(prefix: str, recipe: Any, tokenizer: Any, version: int, cache_root: Path,
-                   build: Callable[[Path], None]) -> Path:
-    """The prepared directory of ``recipe`` under ``cache_root`` (named ``prefix-<key>``: the recipe, the tokenizer
-    and the encoding ``version``), built by ``build(folder)`` once."""
-    return build_once(cache_root / f"{prefix}-{recipe_key(recipe, tokenizer, version)}", build, complete="stats.json")
+@dataclass(frozen=True)
+class SplitKind:
+    """One kind of prepared data: ``noun`` (what a row is: the cache folder's prefix and the progress line's word),
+    the ``version`` of its encoding (bump it when rows become tokens differently), the stats of an ``empty`` split,
+    and its ``judge(recipe, split, source rows, encoded rows) -> (stats, indices to keep)``, which raises to refuse."""
+
+    noun: str
+    version: int
+    empty: Mapping[str, Any]
+    judge: Callable[[Any, str, Any, Any], tuple[dict[str, Any], Sequence[int]]]
+
+
+def prepare_splits(kind: SplitKind, recipe: Any, encoder: Any, cache_root: Path, num_proc: Optional[int]) -> Path:
+    """The prepared directory of ``recipe`` under ``cache_root`` (named ``<noun>-<key>``: the recipe, the tokenizer and
+    the encoding version), tokenized row by row by ``encoder.encode`` once."""
+
+    def build(out: Path) -> None:
+        encode_splits(recipe, functools.partial(encode_rows, encode=encoder.encode), cache_root / "sources", out,
+                      num_proc, kind.noun, dict(kind.empty),
+                      functools.partial(kind.judge, recipe))
+
+    key = recipe_key(recipe, encoder.tokenizer, kind.version)
+    return build_once(cache_root / f"{kind.noun}-{key}", build, complete="stats.json")
 
 
 def encode_splits(recipe: Any, encode_batch: Callable[[dict[str, list[Any]]], dict[str, list[Any]]], sources_root: Path,
@@ -66,8 +95,8 @@ def encode_splits(recipe: Any, encode_batch: Callable[[dict[str, list[Any]]], di
 
 
 class PreparedSplits(SplitDataModule):
-    """A :class:`SplitDataModule` over a prepared directory: subclasses say how to build it (:meth:`prepare_root`),
-    what a split's rows are (:meth:`rows`) and what to tell the user (:meth:`describe`)."""
+    """A :class:`SplitDataModule` over a prepared directory: subclasses say what kind of data it is (``kind``, with
+    ``recipe``, ``encoder``, ``cache_dir`` and ``num_proc``), what a split's rows are (:meth:`rows`) and what to tell the user (:meth:`describe`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -75,9 +104,15 @@ class PreparedSplits(SplitDataModule):
         self.prepared_dir: Optional[Path] = None
         self._root: Optional[Path] = None
 
+    kind: SplitKind
+    recipe: Any
+    encoder: Any
+    cache_dir: Path
+    num_proc: Optional[int]
+
     def prepare_root(self) -> Path:
         """The prepared directory, built if missing (every rank may call it; one builds, the others find it)."""
-        raise NotImplementedError
+        return prepare_splits(self.kind, self.recipe, self.encoder, self.cache_dir, self.num_proc)
 
     def rows(self, tokenized: Any) -> Dataset:
         """A split's dataset over its tokenized rows (``None`` for a split with none)."""

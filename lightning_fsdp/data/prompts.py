@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import numpy as np
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_fsdp.cache import cache_root
 from lightning_fsdp.data.order import GlobalOrderSampler, data_parallel_rank
-from lightning_fsdp.data.prepared_splits import PreparedSplits, SplitSources, encode_splits, prepare_splits
+from lightning_fsdp.data.prepared_splits import PreparedSplits, SplitKind, SplitSources
 from lightning_fsdp.data.sft.module import check_model_fits, load_tokenizer
 from lightning_fsdp.data.sft.source import column_names
 
@@ -48,6 +49,13 @@ def is_conversation(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) and "role" in m for m in value)
 
 
+@dataclass(frozen=True)
+class PromptRecipe(SplitSources):
+    max_prompt_length: int
+    long_prompts: str
+    chat_template: Optional[str]
+
+
 @dataclass
 class PromptEncoder:
     """One row → its prompt's token ids, its other columns (JSON) and whether it fits; picklable."""
@@ -64,53 +72,35 @@ class PromptEncoder:
             return list(encoded["input_ids"])
         return list(self.tokenizer(str(prompt))["input_ids"])
 
-    def encode_batch(self, batch: Mapping[str, list[Any]]) -> dict[str, list[Any]]:
-        out: dict[str, list[Any]] = {"prompt_ids": [], "length": [], "status": [], "row": []}
-        for i in range(len(batch["prompt"])):
-            row = {k: v[i] for k, v in batch.items()}
-            ids = self.prompt_ids(row["prompt"])
-            out["prompt_ids"].append(ids)
-            out["length"].append(len(ids))
-            out["status"].append(KEPT if 0 < len(ids) <= self.max_prompt_length else TOO_LONG)
-            out["row"].append(json.dumps(row, default=str))
-        return out
+    def encode(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        """One row: its prompt's ids, their length, whether it is kept, and the whole row (as JSON) for the rewards."""
+        ids = self.prompt_ids(row["prompt"])
+        status = KEPT if 0 < len(ids) <= self.max_prompt_length else TOO_LONG
+        return {"prompt_ids": ids, "length": len(ids), "status": status, "row": json.dumps(dict(row), default=str)}
 
 
-@dataclass(frozen=True)
-class PromptRecipe(SplitSources):
-    max_prompt_length: int
-    long_prompts: str
-    chat_template: Optional[str]
+
+def _judge_prompts(recipe: PromptRecipe, split: str, data: Any, encoded: Any) -> tuple[dict[str, Any], list[int]]:
+    statuses = np.asarray(encoded["status"], dtype=np.int64)
+    lengths = np.asarray(encoded["length"], dtype=np.int64)
+    too_long = int((statuses == TOO_LONG).sum())
+    stats = {"prompts": len(data), "kept": len(data) - too_long, "too_long": too_long, "longest": int(lengths.max())}
+    if too_long and recipe.long_prompts == "error":
+        raise ValueError(
+            f"{too_long} of {len(data)} {split} prompts are longer than max_prompt_length="
+            f"{recipe.max_prompt_length} tokens (the longest: {int(lengths.max())}), or empty. Raise"
+            " data.max_prompt_length (the model must hold prompt + max_completion_length tokens), shorten them,"
+            " or leave them out with data.long_prompts=drop."
+        )
+    keep = np.flatnonzero(statuses == KEPT).tolist()
+    if split == "train" and not keep:
+        raise ValueError(f"No training prompt fits max_prompt_length={recipe.max_prompt_length}.")
+    return stats, keep
 
 
-def prepare_prompts(recipe: PromptRecipe, encoder: PromptEncoder, root: Path, num_proc: Optional[int] = None) -> Path:
-    """The prepared directory for ``recipe`` (tokenized prompts per split and their counts), built once."""
-    return prepare_splits("prompts", recipe, encoder.tokenizer, PROMPT_ENCODING_VERSION, root,
-                          lambda out: _build(recipe, encoder, root, out, num_proc))
-
-
-def _build(recipe: PromptRecipe, encoder: PromptEncoder, root: Path, tmp: Path, num_proc: Optional[int]) -> None:
-    import numpy as np
-
-    def judge(split: str, data: Any, encoded: Any) -> tuple[dict[str, Any], list[int]]:
-        statuses = np.asarray(encoded["status"], dtype=np.int64)
-        lengths = np.asarray(encoded["length"], dtype=np.int64)
-        too_long = int((statuses == TOO_LONG).sum())
-        stats = {"prompts": len(data), "kept": len(data) - too_long, "too_long": too_long, "longest": int(lengths.max())}
-        if too_long and recipe.long_prompts == "error":
-            raise ValueError(
-                f"{too_long} of {len(data)} {split} prompts are longer than max_prompt_length="
-                f"{recipe.max_prompt_length} tokens (the longest: {int(lengths.max())}), or empty. Raise"
-                " data.max_prompt_length (the model must hold prompt + max_completion_length tokens), shorten them,"
-                " or leave them out with data.long_prompts=drop."
-            )
-        keep = np.flatnonzero(statuses == KEPT).tolist()
-        if split == "train" and not keep:
-            raise ValueError(f"No training prompt fits max_prompt_length={recipe.max_prompt_length}.")
-        return stats, keep
-
-    empty = {"prompts": 0, "kept": 0, "too_long": 0, "longest": 0}
-    encode_splits(recipe, encoder.encode_batch, root / "sources", tmp, num_proc, "prompts", empty, judge)
+#: tokenized prompts per split and their counts
+PROMPTS = SplitKind("prompts", PROMPT_ENCODING_VERSION, {"prompts": 0, "kept": 0, "too_long": 0, "longest": 0},
+                    _judge_prompts)
 
 
 class PromptRows(Dataset):
@@ -216,6 +206,8 @@ class PromptDataModule(PreparedSplits):
         cache_dir: where prepared sets are kept (default ``$LIGHTNING_FSDP_CACHE/prompts``).
     """
 
+    kind = PROMPTS
+
     def __init__(
         self,
         path: Union[str, Path],
@@ -256,10 +248,6 @@ class PromptDataModule(PreparedSplits):
         self.batch_size, self.seed, self.num_workers, self.num_proc = batch_size, int(seed), num_workers, num_proc
         self.max_prompt_length = int(max_prompt_length)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else cache_root("prompts")
-
-    @override
-    def prepare_root(self) -> Path:
-        return prepare_prompts(self.recipe, self.encoder, self.cache_dir, self.num_proc)
 
     @override
     def rows(self, tokenized: Any) -> PromptRows:

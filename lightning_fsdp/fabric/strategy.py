@@ -34,14 +34,13 @@ from lightning_fsdp import _lightning_compat as compat
 from lightning_fsdp.fabric.checkpoint import FabricState, restore_entries, to_checkpoint
 from lightning_fsdp.fabric.precision import FSDP2FabricPrecision
 from lightning_fsdp.fixes import FixWording
-from lightning_fsdp.parallel import collectives
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.parallel.grad_norm import clip_grad_norm_
 from lightning_fsdp.parallel.placement import MeshPlacement
 from lightning_fsdp.parallel.sequence import splitting
 from lightning_fsdp.precision import MixedPrecisionArg
-from lightning_fsdp.resilience import RelayedLaunch, collective
+from lightning_fsdp.resilience import GuardedCollectives, RelayedLaunch, collective
 from lightning_fsdp.resilience.report import on_uncaught
 from lightning_fsdp.runtime import RuntimeHolder, ShardedRuntime
 from lightning_fsdp.sharding import WrapPolicy, parameters_on_meta
@@ -82,7 +81,7 @@ def _without_gradient_sync(module: Module) -> Generator[None, None, None]:
         module.set_requires_gradient_sync(True)
 
 
-class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
+class FSDPCustomFabricStrategy(RuntimeHolder, GuardedCollectives, MeshPlacement, ParallelStrategy):
     """Fully Sharded Data Parallel (FSDP2) for Fabric loops: ``Fabric(strategy="fsdp_custom")``.
 
     Takes the Trainer strategy's model arguments (``auto_wrap_policy``, ``activation_checkpointing_policy``,
@@ -265,26 +264,12 @@ class FSDPCustomFabricStrategy(RuntimeHolder, MeshPlacement, ParallelStrategy):
     @override
     @collective("all_reduce", gate=False)
     def all_reduce(self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
-            return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self._reduce_tensor(tensor, group, reduce_op)
 
     @override
     @collective("all_gather", gate=False)
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        if sync_grads:  # gradients through the gather: only Lightning's (autograd-aware) path has them
-            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-        return collectives.all_gather_stacked(tensor, group)
-
-    @override
-    @collective("barrier")
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        collectives.barrier(self.root_device)
-
-    @override
-    @collective("broadcast(src={src})")
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return collectives.broadcast_object(obj, src)
+        return self._gather_tensors(tensor, group, sync_grads)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
     @override

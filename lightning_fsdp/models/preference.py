@@ -156,9 +156,7 @@ class HFPreferenceLM(HFCausalLM):
     def on_fit_start(self) -> None:
         self._prepare_reference()
 
-    @override
-    def on_validation_start(self) -> None:
-        self._prepare_reference()
+    on_validation_start = on_fit_start  # a validate-only run needs the reference too
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -7,6 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+def check_positive_ints(dims: object, names: tuple[str, ...]) -> None:
+    """A clear error when one of the fields ``names`` of a shape dataclass is not a positive int."""
+    for name in names:
+        value = getattr(dims, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{type(dims).__name__}.{name} must be a positive int, got {value!r}.")
+
+
 #: PEFT's default LoRA targets for Llama-family models
 DEFAULT_LORA_TARGETS = ("q_proj", "v_proj")
 
@@ -40,10 +48,7 @@ class LlamaDims:
     lora: Optional[LoraSpec] = None
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "vocab_size", "seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"LlamaDims.{name} must be a positive int, got {value!r}.")
+        check_positive_ints(self, ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "vocab_size", "seq_len"))
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}.")
 

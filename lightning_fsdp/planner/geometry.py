@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from lightning_fsdp.planner.dims import check_positive_ints
+
 if TYPE_CHECKING:
     from lightning_fsdp.planner.dims import LlamaDims
 
@@ -66,10 +68,7 @@ class GPTDims:
     rotary: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTDims.{name} must be a positive int, got {value!r}.")
+        check_positive_ints(self, ("n_layer", "d_model", "n_head", "vocab_size", "seq_len"))
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}.")
 

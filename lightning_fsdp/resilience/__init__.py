@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
 import torch
 import torch.distributed as dist
 
+from lightning_fsdp._lightning_compat import sync_ddp_if_available
 from lightning_fsdp.fixes import FixWording
+from lightning_fsdp.parallel import collectives
 from lightning_fsdp.parallel.collectives import is_distributed
 from lightning_fsdp.parallel.grad_norm import StepGradNorm
 from lightning_fsdp.parallel.process_group import apply_timeout
@@ -64,6 +66,7 @@ __all__ = [
     "AgreedError",
     "AgreedLoader",
     "CollectiveTimeoutError",
+    "GuardedCollectives",
     "NonFiniteStepsError",
     "PartialFailureError",
     "Preempted",
@@ -138,20 +141,6 @@ class Resilience:
         with naming_timeouts(operation, self.timeout):
             yield
 
-    def wrap_closure(
-        self,
-        closure: Callable[[], Any],
-        optimizer: torch.optim.Optimizer,
-        step: Callable[[], int],
-        device: torch.device,
-        has_scaler: bool,
-    ) -> Callable[[], Any]:
-        """With a loss scaler (16-mixed), inf gradients are expected and the scaler skips those steps itself: only
-        the loss is checked then."""
-        if self.nonfinite is None:
-            return closure
-        return self.nonfinite.wrap(closure, optimizer, step, device, check_grads=not has_scaler)
-
 
 def collective(operation: Union[str, Callable[..., str]], *, gate: bool = True) -> Callable[[F], F]:
     """Guard a strategy hook that runs collectives (the strategy has a ``resilience`` attribute).
@@ -179,3 +168,30 @@ def collective(operation: Union[str, Callable[..., str]], *, gate: bool = True) 
         return guarded  # type: ignore[return-value]
 
     return decorate
+
+
+class GuardedCollectives:
+    """The collectives both front ends run alike, guarded by :func:`collective` (a mixin listed before Lightning's
+    strategy class; the strategy has ``resilience`` and ``root_device``). Each front end keeps its own
+    ``all_gather``/``all_reduce`` hook, gated as its loop needs, over :meth:`_gather_tensors` and :meth:`_reduce_tensor`."""
+
+    root_device: torch.device
+
+    @collective("barrier({name!r})")
+    def barrier(self, name: Optional[str] = None, *args: Any, **kwargs: Any) -> None:
+        collectives.barrier(self.root_device)
+
+    @collective("broadcast (from rank {src})")
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return collectives.broadcast_object(obj, src)
+
+    def _gather_tensors(self, tensor: torch.Tensor, group: Optional[Any], sync_grads: bool) -> torch.Tensor:
+        if sync_grads:  # gradients through the gather: only Lightning's (autograd-aware) path has them
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)  # type: ignore[misc]
+        return collectives.all_gather_stacked(tensor, group)
+
+    @staticmethod
+    def _reduce_tensor(tensor: Any, group: Optional[Any], reduce_op: Any) -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor

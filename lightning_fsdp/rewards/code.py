@@ -42,18 +42,26 @@ class CodeRun:
     stderr: str = ""
 
 
-def _limits(memory_bytes: int, cpu_seconds: int) -> Callable[[], None]:
-    def apply() -> None:
-        import resource
-
-        for limit, value in ((resource.RLIMIT_AS, memory_bytes), (resource.RLIMIT_CPU, cpu_seconds),
-                             (resource.RLIMIT_FSIZE, 16 << 20), (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
-            try:
-                resource.setrlimit(limit, (value, value))
-            except (ValueError, OSError):  # a limit the platform does not allow lowering: keep the others
-                pass
-
-    return apply
+#: what the child interpreter runs first: its own resource limits (``sys.argv[2:]``: address space, CPU seconds),
+#: then the code file ``sys.argv[1]`` as ``__main__``. Limits set here, not by a ``preexec_fn``: that runs Python
+#: between fork and exec, which can deadlock when the parent has threads (the reward runs completions in a pool)
+_BOOTSTRAP = """\
+import runpy, sys
+try:
+    import resource
+except ImportError:
+    resource = None
+code, memory, cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if resource is not None:
+    for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, 16 << 20),
+                         (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
+        try:
+            resource.setrlimit(limit, (value, value))
+        except (ValueError, OSError):  # a limit the platform does not allow lowering: keep the others
+            pass
+sys.argv = [code]
+runpy.run_path(code, run_name="__main__")
+"""
 
 
 def run_python(source: str, *, timeout: float = 5.0, memory_bytes: int = 512 << 20) -> CodeRun:
@@ -64,10 +72,10 @@ def run_python(source: str, *, timeout: float = 5.0, memory_bytes: int = 512 << 
         with open(path, "w", encoding="utf-8") as f:
             f.write(source)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+        limits = [str(memory_bytes), str(max(1, int(timeout) + 1))]
         proc = subprocess.Popen(
-            [sys.executable, "-I", path], cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, start_new_session=True,
-            preexec_fn=_limits(memory_bytes, max(1, int(timeout) + 1)) if os.name == "posix" else None,
+            [sys.executable, "-I", "-c", _BOOTSTRAP, path, *limits], cwd=folder, env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
         )
         try:
             _, err = proc.communicate(timeout=timeout)

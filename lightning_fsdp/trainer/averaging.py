@@ -113,29 +113,13 @@ class ShardedEMA(EMAWeightAveraging):
 
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Evaluation sees the average: swapped in when an evaluation epoch starts, back out when it ends."""
         if self.average.started:
             self.average.swap(pl_module)
 
-    @override
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.average.started:
-            self.average.swap(pl_module)
-
-    @override
-    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.on_validation_epoch_start(trainer, pl_module)
-
-    @override
-    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.on_validation_epoch_end(trainer, pl_module)
-
-    @override
-    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.on_validation_epoch_start(trainer, pl_module)
-
-    @override
-    def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.on_validation_epoch_end(trainer, pl_module)
+    on_validation_epoch_end = on_validation_epoch_start
+    on_test_epoch_start = on_test_epoch_end = on_validation_epoch_start
+    on_predict_epoch_start = on_predict_epoch_end = on_validation_epoch_start
 
     @override
     def state_dict(self) -> dict[str, Any]:

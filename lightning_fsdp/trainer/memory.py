@@ -94,7 +94,8 @@ class MemoryReport(Callback):
         local = [self._state.params, self._state.grads, self._state.optimizer, self._tracker.peak()]
         mine = torch.tensor(local, dtype=torch.int64, device=trainer.strategy.root_device)
         gathered = trainer.strategy.all_gather(mine).reshape(-1, len(RANK_FIELDS)).cpu().tolist()
-        self.rows = [RankMemory(rank, *map(int, values)) for rank, values in enumerate(gathered)]
+        self.rows = [RankMemory(int(p), int(g), int(o), rank=rank, peak=int(peak))
+                     for rank, (p, g, o, peak) in enumerate(gathered)]
         self.unsharded = self._unsharded
         self.shard_size = shard_group_size(trainer.strategy)
 

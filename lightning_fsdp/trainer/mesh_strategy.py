@@ -13,16 +13,14 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_fsdp import _lightning_compat as compat
-from lightning_fsdp.parallel import collectives
 from lightning_fsdp.parallel import mesh as mesh_utils
 from lightning_fsdp.parallel import process_group
 from lightning_fsdp.parallel.placement import MeshPlacement
-from lightning_fsdp.resilience import collective
+from lightning_fsdp.resilience import GuardedCollectives, collective
 from lightning_fsdp.runtime import ShardedRuntime
 from lightning_fsdp.trainer.resilience import ResilientLauncher
 
@@ -30,7 +28,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class MeshStrategy(MeshPlacement, ParallelStrategy):
+class MeshStrategy(GuardedCollectives, MeshPlacement, ParallelStrategy):
     """Processes, ranks, the data-parallel mesh and collectives. ``resilience`` handles failures between ranks."""
 
     def __init__(
@@ -87,28 +85,14 @@ class MeshStrategy(MeshPlacement, ParallelStrategy):
     @override
     @collective("all_gather")
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        if sync_grads:  # gradients through the gather: only Lightning's (autograd-aware) path has them
-            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-        return collectives.all_gather_stacked(tensor, group)
-
-    @override
-    @collective("barrier({name!r})")
-    def barrier(self, name: Optional[str] = None) -> None:
-        collectives.barrier(self.root_device)
-
-    @override
-    @collective("broadcast (from rank {src})")
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return collectives.broadcast_object(obj, src)
+        return self._gather_tensors(tensor, group, sync_grads)
 
     @override
     @collective("all_reduce ({reduce_op})")
     def reduce(
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Union[Tensor, Any]:
-        if isinstance(tensor, Tensor):
-            return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self._reduce_tensor(tensor, group, reduce_op)
 
     @override
     def teardown(self) -> None:

@@ -52,10 +52,15 @@ def guarded_closure(
     resilience: Resilience, closure: Callable[[], Any], optimizer: torch.optim.Optimizer,
     trainer: Optional[pl.Trainer], device: torch.device, has_scaler: bool,
 ) -> Callable[[], Any]:
-    """The optimizer closure with the agreed non-finite check (messages name the Trainer's global step)."""
-    return resilience.wrap_closure(
-        closure, optimizer, lambda: trainer.global_step if trainer is not None else -1, device, has_scaler
-    )
+    """The optimizer closure with the agreed non-finite check (messages name the Trainer's global step). With a loss
+    scaler (16-mixed) inf gradients are expected and the scaler skips those steps itself: only the loss is checked."""
+    if resilience.nonfinite is None:
+        return closure
+
+    def step() -> int:
+        return trainer.global_step if trainer is not None else -1
+
+    return resilience.nonfinite.wrap(closure, optimizer, step, device, check_grads=not has_scaler)
 
 
 def last_checkpoint_path(trainer: pl.Trainer) -> Optional[str]:

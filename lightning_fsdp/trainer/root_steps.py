@@ -9,7 +9,7 @@ each step's batch is cut along the sequence here, and its attention attends acro
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from typing import Any, Optional
 
@@ -25,6 +25,17 @@ from lightning_fsdp.runtime import ShardedRuntime
 from lightning_fsdp.sharding.activation_offload import ActivationOffload
 
 __all__ = ["RootForwardSteps"]
+
+
+def _step_hook(method: str, precision_context: str) -> Callable[..., Any]:
+    """Lightning's ``<method>`` hook: the precision plugin's ``<precision_context>`` around :meth:`~RootForwardSteps._step`."""
+
+    def hook(self: "RootForwardSteps", *args: Any, **kwargs: Any) -> Any:
+        with getattr(self.precision_plugin, precision_context)():
+            return self._step(method, *args, **kwargs)
+
+    hook.__name__ = hook.__qualname__ = method
+    return override(hook)
 
 
 class RootForwardSteps(ParallelStrategy):
@@ -61,25 +72,10 @@ class RootForwardSteps(ParallelStrategy):
         with splitting(self._step_split, expect_attention=False):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._step("training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._step("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._step("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._step("predict_step", *args, **kwargs)
+    training_step = _step_hook("training_step", "train_step_context")
+    validation_step = _step_hook("validation_step", "val_step_context")
+    test_step = _step_hook("test_step", "test_step_context")
+    predict_step = _step_hook("predict_step", "predict_step_context")
 
     @contextmanager
     @override
@@ -98,19 +94,10 @@ class RootForwardSteps(ParallelStrategy):
 
     @override
     def on_validation_end(self) -> None:
-        self._reshard_after_evaluation()
-
-    @override
-    def on_test_end(self) -> None:
-        self._reshard_after_evaluation()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._reshard_after_evaluation()
-
-    def _reshard_after_evaluation(self) -> None:
         """FSDP2 keeps the root unit's parameters gathered after a forward, for the backward that follows; after an
         evaluation loop none follows, and training would carry the full root (the tied embedding and head: half the
         embedding more per rank at 2 ranks, the memory report's state / ideal 1.2 on SmolLM2) into its next step."""
         if self.model is not None:
             reshard_gathered(self.model)
+
+    on_test_end = on_predict_end = on_validation_end

@@ -68,3 +68,30 @@ def write_family(path: Path, family: str, seed: int = 0, max_shard_size: str = "
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(path, max_shard_size=max_shard_size)
     return path
+
+
+#: Llama-2-70B's published config.json (its layers sliced off by ``num_hidden_layers``)
+LLAMA_2_70B = dict(
+    vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+    max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)
+
+
+def write_llama_slice(path: Path, layers: int, files: int = 2) -> Path:
+    """A bf16 safetensors directory of a Llama-2-70B with ``layers`` of its 80 layers, at its real shapes: the
+    shapes come from transformers' model built on the meta device, the values are seeded (std 0.02)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**LLAMA_2_70B, "num_hidden_layers": layers}, dtype="bfloat16")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(0)
+    state = {}
+    for name, meta in model.state_dict().items():
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(meta.shape, dtype=torch.bfloat16)
+        else:
+            state[name] = (torch.randn(meta.shape, generator=generator) * 0.02).to(torch.bfloat16)
+    save_safetensors_dir(state, path, files)
+    config.save_pretrained(path)
+    return path

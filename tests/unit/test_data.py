@@ -5,12 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fsdp.data import (
-    SHAPES,
+from lightning_fsdp.data import ShapesDataModule, TextCorpusDataModule
+from lightning_fsdp.data.shapes import SHAPES, SyntheticShapes
+from lightning_fsdp.data.text import (
     VOCAB_SIZE,
-    ShapesDataModule,
-    SyntheticShapes,
-    TextCorpusDataModule,
     TokenWindows,
     build_corpus,
     decode,

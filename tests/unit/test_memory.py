@@ -84,7 +84,7 @@ def test_peak_memory_on_cpu_sees_a_real_allocation():
 
 
 def test_table_compares_ranks_with_the_unsharded_total_and_the_ideal():
-    rows = [RankMemory(0, 400, 400, 800, 5 * 1024**2), RankMemory(1, 396, 396, 792, 5 * 1024**2)]
+    rows = [RankMemory(400, 400, 800, rank=0, peak=5 * 1024**2), RankMemory(396, 396, 792, rank=1, peak=5 * 1024**2)]
     table = format_memory_table(rows, StateBytes(796, 796, 1592), 2)
     lines = table.splitlines()
     assert lines[0].startswith("| rank | params | grads | optimizer | state | state / ideal | peak RSS above setup |")

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_fsdp.data import ShapesDataModule, TokenWindows, encode, generated_corpus
+from lightning_fsdp.data import ShapesDataModule
+from lightning_fsdp.data.text import TokenWindows, encode, generated_corpus
 from lightning_fsdp.models import (
     GPT,
     PRESETS,
