@@ -74,6 +74,9 @@ def format_estimate(spec: ModelSpec, est: Estimate, v: Optional[Verdict] = None)
     ]
     if est.dequantized:
         lines.append(f"| one quantized weight dequantized for its matmul | {format_bytes(est.dequantized)} | |")
+    if est.all_gather_buffers:
+        lines.append(f"| all-gather buffers (the previous unit's output kept into the next all-gather) |"
+                     f" {format_bytes(est.all_gather_buffers)} | |")
     if est.comm_buffers:
         lines.append(f"| DDP gradient buckets | {format_bytes(est.comm_buffers)} | |")
     if o.reference is not None:

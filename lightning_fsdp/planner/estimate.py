@@ -141,6 +141,9 @@ class Estimate:
     on_device_when_offloaded: int = 0
     #: a frozen reference copy's parameters on this rank (DPO, ``reference="copy"``)
     reference: int = 0
+    #: what a unit's all-gather holds beyond the computing moment's ``gathered + dequantized`` (see
+    #: :func:`all_gather_moment`)
+    all_gather_buffers: int = 0
 
     @property
     def state(self) -> int:
@@ -156,7 +159,8 @@ class Estimate:
     def device(self) -> int:
         """Peak bytes on the accelerator (or in process memory on CPU, where ``host`` is added)."""
         resident = self.on_device_when_offloaded if self.options.cpu_offload else self.state + self.reference
-        transient = self.gathered + self.dequantized + self.unsharded_grads + self.comm_buffers + self.activations
+        transient = (self.gathered + self.dequantized + self.all_gather_buffers + self.unsharded_grads
+                     + self.comm_buffers + self.activations)
         return resident + transient
 
     @property
@@ -224,7 +228,7 @@ def estimate(spec: ModelSpec, options: PlanOptions) -> Estimate:
         (1 + OPTIMIZER_STATES[options.optimizer]) * full_trainable * stored
     )
 
-    gathered = unsharded_grads = comm = dequantized = 0
+    gathered = unsharded_grads = comm = dequantized = all_gather_buffers = 0
     if options.strategy == "fsdp":
         largest = max((gathered_bytes(u.params, quantized, compute) for u in spec.blocks), default=0)
         root_trainable = sum(p.numel for p in spec.root.params if p.trainable)
@@ -234,6 +238,9 @@ def estimate(spec: ModelSpec, options: PlanOptions) -> Estimate:
         # one quantized weight at a time is dequantized for its matmul (forward, and again in backward)
         largest_quantized = max((p.numel for p in spec.params if p.name in quantized), default=0)
         dequantized = dequantize_bytes(largest_quantized, compute)
+        root = gathered_bytes(spec.root.params, quantized, compute)
+        at_all_gather = all_gather_moment(root, largest, options.shard)
+        all_gather_buffers = max(0, at_all_gather - gathered - dequantized)
         # gradients exist unsharded until their unit's reduce-scatter: the root's for all of backward, plus one unit
         unsharded_grads = (root_trainable + largest_trainable) * reduce_bytes
     elif options.strategy == "ddp":
@@ -271,6 +278,7 @@ def estimate(spec: ModelSpec, options: PlanOptions) -> Estimate:
         dequantized=dequantized,
         on_device_when_offloaded=kept if options.cpu_offload else 0,
         reference=reference,
+        all_gather_buffers=all_gather_buffers,
     )
 
 
@@ -334,6 +342,16 @@ def activation_bytes(spec: ModelSpec, options: PlanOptions) -> int:
         activation_checkpointing=options.activation_checkpointing, attention=options.attention,
         loss_chunk=options.loss_chunk,
     )
+
+
+def all_gather_moment(root: int, largest: int, shard: int) -> int:
+    """The gathered bytes while a unit's all-gather runs in forward (``root``: the root unit's gathered bytes, which
+    stay gathered; ``largest``: the largest other unit's). FSDP2 keeps the previous unit's all-gather output until
+    the next all-gather has run (to overlap that copy-out with it): the root's when the first block gathers. Beside
+    it: this unit's all-gather output and its copy-in (its local shard, twice for a quantized weight's fields)."""
+    if shard <= 1:
+        return root + largest
+    return root + max(root, largest) + largest + 2 * -(-largest // shard)
 
 
 def dequantize_bytes(numel: int, compute_bytes: int) -> int:
