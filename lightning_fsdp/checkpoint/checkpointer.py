@@ -26,9 +26,9 @@ from torch import nn
 from lightning_fsdp.checkpoint import commit as commit_ops
 from lightning_fsdp.checkpoint import full, sharded, sharded_load
 from lightning_fsdp.checkpoint.base_weights import BaseResolver
-from lightning_fsdp.checkpoint.load_options import LoadOptions
 from lightning_fsdp.checkpoint.checksums import kind_of
 from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.checkpoint.load_options import LoadOptions
 from lightning_fsdp.checkpoint.sharded import SAVE_HINT, StagedSave, agreed
 from lightning_fsdp.fixes import current_wording
 from lightning_fsdp.parallel.collectives import broadcast_object, is_distributed, on_rank_zero, rank, world_size

@@ -20,9 +20,9 @@ from torch import nn
 
 from lightning_fsdp.checkpoint import commit as commit_ops
 from lightning_fsdp.checkpoint.checksums import kind_of
-from lightning_fsdp.checkpoint.load_options import LoadOptions
 from lightning_fsdp.checkpoint.compatibility import check_count, check_entry_fits, check_fits, describe
 from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.checkpoint.load_options import LoadOptions
 from lightning_fsdp.checkpoint.safe_load import safe_torch_load
 from lightning_fsdp.checkpoint.schema import SCHEMA
 from lightning_fsdp.checkpoint.sharded import RESTORE_HINT, SAVE_HINT, agreed

@@ -96,19 +96,20 @@ def encode_splits(recipe: Any, encode_batch: Callable[[dict[str, list[Any]]], di
 
 class PreparedSplits(SplitDataModule):
     """A :class:`SplitDataModule` over a prepared directory: subclasses say what kind of data it is (``kind``, with
-    ``recipe``, ``encoder``, ``cache_dir`` and ``num_proc``), what a split's rows are (:meth:`rows`) and what to tell the user (:meth:`describe`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stats: Optional[dict[str, Any]] = None
-        self.prepared_dir: Optional[Path] = None
-        self._root: Optional[Path] = None
+    ``recipe``, ``encoder``, ``cache_dir`` and ``num_proc``), what a split's rows are (:meth:`rows`) and what to tell
+    the user (:meth:`describe`)."""
 
     kind: SplitKind
     recipe: Any
     encoder: Any
     cache_dir: Path
     num_proc: Optional[int]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats: Optional[dict[str, Any]] = None
+        self.prepared_dir: Optional[Path] = None
+        self._root: Optional[Path] = None
 
     def prepare_root(self) -> Path:
         """The prepared directory, built if missing (every rank may call it; one builds, the others find it)."""

@@ -79,7 +79,6 @@ class PromptEncoder:
         return {"prompt_ids": ids, "length": len(ids), "status": status, "row": json.dumps(dict(row), default=str)}
 
 
-
 def _judge_prompts(recipe: PromptRecipe, split: str, data: Any, encoded: Any) -> tuple[dict[str, Any], list[int]]:
     statuses = np.asarray(encoded["status"], dtype=np.int64)
     lengths = np.asarray(encoded["length"], dtype=np.int64)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+
 def check_positive_ints(dims: object, names: tuple[str, ...]) -> None:
     """A clear error when one of the fields ``names`` of a shape dataclass is not a positive int."""
     for name in names:

@@ -234,11 +234,11 @@ def estimate(spec: ModelSpec, options: PlanOptions) -> Estimate:
         root_trainable = sum(p.numel for p in spec.root.params if p.trainable)
         largest_trainable = max((sum(p.numel for p in u.params if p.trainable) for u in spec.blocks), default=0)
         # root stays gathered from forward into backward; one unit runs while the next is prefetched
-        gathered = gathered_bytes(spec.root.params, quantized, compute) + (1 + options.prefetch) * largest
+        root = gathered_bytes(spec.root.params, quantized, compute)
+        gathered = root + (1 + options.prefetch) * largest
         # one quantized weight at a time is dequantized for its matmul (forward, and again in backward)
         largest_quantized = max((p.numel for p in spec.params if p.name in quantized), default=0)
         dequantized = dequantize_bytes(largest_quantized, compute)
-        root = gathered_bytes(spec.root.params, quantized, compute)
         at_all_gather = all_gather_moment(root, largest, options.shard)
         all_gather_buffers = max(0, at_all_gather - gathered - dequantized)
         # gradients exist unsharded until their unit's reduce-scatter: the root's for all of backward, plus one unit
@@ -348,7 +348,8 @@ def all_gather_moment(root: int, largest: int, shard: int) -> int:
     """The gathered bytes while a unit's all-gather runs in forward (``root``: the root unit's gathered bytes, which
     stay gathered; ``largest``: the largest other unit's). FSDP2 keeps the previous unit's all-gather output until
     the next all-gather has run (to overlap that copy-out with it): the root's when the first block gathers. Beside
-    it: this unit's all-gather output and its copy-in (its local shard, twice for a quantized weight's fields)."""
+    it: this unit's all-gather output and its copy-in, counted as twice its local shard (what a quantized weight's
+    fields take; a plain unit's copy-in is one shard, so this over-counts it by one shard of one unit)."""
     if shard <= 1:
         return root + largest
     return root + max(root, largest) + largest + 2 * -(-largest // shard)

@@ -173,7 +173,8 @@ def collective(operation: Union[str, Callable[..., str]], *, gate: bool = True) 
 class GuardedCollectives:
     """The collectives both front ends run alike, guarded by :func:`collective` (a mixin listed before Lightning's
     strategy class; the strategy has ``resilience`` and ``root_device``). Each front end keeps its own
-    ``all_gather``/``all_reduce`` hook, gated as its loop needs, over :meth:`_gather_tensors` and :meth:`_reduce_tensor`."""
+    ``all_gather``/``all_reduce`` hook, gated as its loop needs, over :meth:`_gather_tensors` and
+    :meth:`_reduce_tensor`."""
 
     root_device: torch.device
 

@@ -57,8 +57,7 @@ class Measure(Callback):
         self.times.append(time.perf_counter() - self._start)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        optimizers = [o for o in trainer.optimizers]
-        state = local_state_bytes(trainer.strategy.model, optimizers)
+        state = local_state_bytes(trainer.strategy.model, trainer.optimizers)
         self.row.update(train_peak=peak_rss() - IMPORT_RSS, params=state.params, grads=state.grads,
                         optimizer=state.optimizer, step_seconds=statistics.median(self.times))
 
