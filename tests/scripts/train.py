@@ -224,14 +224,17 @@ def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
 
     model = trainer.strategy.model
     if any(isinstance(p, DTensor) for p in model.parameters()):  # ours, or a module that sharded itself
-        # every rank gathers and reads every tensor: with ``cpu_offload`` (rank 0 only) the other ranks drop the
-        # gathered fields of a quantized weight unread, while gloo may still be writing them (a rare abort under load)
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        # torch's names, each tensor gathered and read before the next is: a quantized weight's gathered fields are
+        # waited for lazily, and a whole model of gathers left in flight on gloo aborted a 4-rank run under load
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
     else:
         sd = {k: v.detach().cpu() for k, v in trainer.lightning_module.state_dict().items()}
-    out = {k: v.float().cpu().clone() for k, v in sd.items()}  # a quantized weight: its dequantized value
-    for key, value in sd.items():  # and its stored fields, to compare quantizations exactly
-        if nf4.is_nf4(value):
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        out[key] = value.float().cpu().clone()  # a quantized weight: its dequantized value
+        if nf4.is_nf4(value):  # and its stored fields, to compare quantizations exactly
             out.update({f"{key}.nf4.{name}": field.clone() for name, field in nf4.fields(value).items()})
     return out
 
