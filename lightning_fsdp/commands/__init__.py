@@ -1,11 +1,13 @@
 """The ``lightning-fsdp`` subcommands besides ``train`` and ``estimate``: checkpoint tools (``consolidate``, ``verify``,
-``inspect``, ``seal``), ``import`` of GGUF files and ``chat``; each module has ``main(argv) -> int``."""
+``inspect``, ``seal``), ``import`` of GGUF files, ``chat``, ``eval`` and ``check``; each module has
+``main(argv) -> int``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Optional
 
 
@@ -42,3 +44,31 @@ def checkpoint_command(name: str, doc: Optional[str], argv: Optional[list[str]],
     except CheckpointError as err:
         print(f"lightning-fsdp {name}: {refusal(args, err)}", file=sys.stderr)
         return 1
+
+
+def model_source_kind(path: Path) -> str:
+    """What a command's MODEL argument is: ``"hf"`` (a model directory), ``"gguf"`` (a file to convert) or
+    ``"checkpoint"`` (a sharded checkpoint directory); a ``ValueError`` for anything else, saying what was expected."""
+    from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME
+    from lightning_fsdp.hf.gguf import is_gguf
+
+    if not path.exists():
+        raise ValueError(f"{path}: no such file or directory. MODEL is a Hugging Face model directory, a .gguf file"
+                         f" or a sharded checkpoint directory (holds {MANIFEST_NAME}).")
+    if path.is_file():
+        if is_gguf(path):
+            return "gguf"
+        raise ValueError(f"{path} is a file, and of the files only a .gguf model is read. Pass a Hugging"
+                         " Face model directory, a .gguf file or a sharded checkpoint directory (`lightning-fsdp"
+                         " consolidate CKPT DIR --format hf` turns a checkpoint into a model directory).")
+    if (path / MANIFEST_NAME).is_file():
+        return "checkpoint"
+    if (path / "config.json").is_file():
+        return "hf"
+    if any(path.glob("*.distcp")):
+        raise ValueError(f"{path} holds a DCP checkpoint without {MANIFEST_NAME} (written by another tool); make it"
+                         f" loadable with `lightning-fsdp seal {path}` first.")
+    inside = sorted(str(p.parent) for p in [*path.glob(f"*/{MANIFEST_NAME}"), *path.glob(f"*/*/{MANIFEST_NAME}")])
+    hint = f" It holds checkpoints: {', '.join(inside[:3])}{' ...' if len(inside) > 3 else ''}." if inside else ""
+    raise ValueError(f"{path} is neither a Hugging Face model directory (no config.json) nor a sharded checkpoint"
+                    f" directory (no {MANIFEST_NAME}).{hint}")

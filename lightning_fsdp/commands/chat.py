@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
-from lightning_fsdp.commands import arguments, command_parser, fail
+from lightning_fsdp.commands import arguments, command_parser, fail, model_source_kind
 
 if TYPE_CHECKING:
     import torch
@@ -35,34 +35,6 @@ RESET, EXIT = "/reset", "/exit"
 
 class ChatError(ValueError):
     """A model source ``chat`` cannot talk to; the message names the problem and the fix."""
-
-
-def source_kind(path: Path) -> str:
-    """``"hf"`` (a model directory), ``"gguf"`` (a file to convert) or ``"checkpoint"``; :class:`ChatError` for
-    anything else, saying what was expected."""
-    from lightning_fsdp.checkpoint.manifest import MANIFEST_NAME
-    from lightning_fsdp.hf.gguf import is_gguf
-
-    if not path.exists():
-        raise ChatError(f"{path}: no such file or directory. MODEL is a Hugging Face model directory, a .gguf file"
-                        f" or a sharded checkpoint directory (holds {MANIFEST_NAME}).")
-    if path.is_file():
-        if is_gguf(path):
-            return "gguf"
-        raise ChatError(f"{path} is a file, and of the files only a .gguf model can be talked to. Pass a Hugging"
-                        " Face model directory, a .gguf file or a sharded checkpoint directory (`lightning-fsdp"
-                        " consolidate CKPT DIR --format hf` turns a checkpoint into a model directory).")
-    if (path / MANIFEST_NAME).is_file():
-        return "checkpoint"
-    if (path / "config.json").is_file():
-        return "hf"
-    if any(path.glob("*.distcp")):
-        raise ChatError(f"{path} holds a DCP checkpoint without {MANIFEST_NAME} (written by another tool); make it"
-                        f" loadable with `lightning-fsdp seal {path}` first.")
-    inside = sorted(str(p.parent) for p in [*path.glob(f"*/{MANIFEST_NAME}"), *path.glob(f"*/*/{MANIFEST_NAME}")])
-    hint = f" It holds checkpoints: {', '.join(inside[:3])}{' ...' if len(inside) > 3 else ''}." if inside else ""
-    raise ChatError(f"{path} is neither a Hugging Face model directory (no config.json) nor a sharded checkpoint"
-                    f" directory (no {MANIFEST_NAME}).{hint}")
 
 
 def load_tokenizer(directory: Path, chat_template: Optional[Union[str, Path]] = None) -> PreTrainedTokenizerBase:
@@ -103,7 +75,7 @@ def load_chat_model(
 
     path = Path(source)
     target = parse_dtype(dtype if dtype is not None else torch.float32, "--dtype")
-    kind = source_kind(path)
+    kind = model_source_kind(path)
     if kind == "checkpoint":
         from lightning_fsdp.hf.checkpoint_model import load_hf_model
 

@@ -1,13 +1,16 @@
 """``lightning-fsdp eval MODEL --tasks ...``: lm-evaluation-harness tasks scored on the model sharded over the ranks.
 
-MODEL is a Hugging Face model directory (a download, or what ``consolidate --format hf`` writes) or a ``.gguf``
-file (converted once into a cached directory). It is built on the meta device and sharded over the ranks this
-command runs on (``-n N`` local processes, or every rank of torchrun/SLURM), each rank reading only its shards of
-the weights; the tasks then run through :class:`~lightning_fsdp.evaluation.harness.ShardedLM`, the requests split
-over the ranks. The arguments carry lm-eval's names (``--tasks``, ``--include_path``, ``--num_fewshot``,
-``--limit``, ``--apply_chat_template``, ``--output_path``), and ``--output_path`` receives lm-eval's own results
-JSON, so the tools that read lm-eval's files read these. Everything that can be checked (the tasks exist, a chat
-template exists when asked for, the model source) is checked before the model is loaded.
+MODEL is a Hugging Face model directory (a download, or what ``consolidate --format hf`` writes), a ``.gguf`` file
+(converted once into a cached directory) or a sharded checkpoint directory written by training. It is built on the
+meta device and sharded over the ranks this command runs on (``-n N`` local processes, or every rank of
+torchrun/SLURM), each rank keeping only its shards of the weights: a model directory's are read as the rows each
+rank owns; a checkpoint's model is the one ``consolidate --format hf`` would write (LoRA merged into the base it
+recorded, or ``--base``), each rank reading its tensors a batch at a time and keeping its rows. The tasks then run
+through :class:`~lightning_fsdp.evaluation.harness.ShardedLM`, the requests split over the ranks. The arguments
+carry lm-eval's names (``--tasks``, ``--include_path``, ``--num_fewshot``, ``--limit``, ``--apply_chat_template``,
+``--output_path``), and ``--output_path`` receives lm-eval's own results JSON, so the tools that read lm-eval's
+files read these. Everything that can be checked (the tasks exist, a chat template exists when asked for, the model
+source) is checked before the model is loaded.
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_fsdp.commands import arguments, command_parser, fail
+from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.commands import arguments, command_parser, fail, model_source_kind
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = command_parser("eval", __doc__)
-    parser.add_argument("model", metavar="MODEL", help="a Hugging Face model directory or a .gguf file")
+    parser.add_argument("model", metavar="MODEL",
+                        help="a Hugging Face model directory, a .gguf file or a sharded checkpoint directory")
+    parser.add_argument("--base", metavar="DIR", help="a checkpoint's pretrained directory (its frozen base and"
+                        " tokenizer), if it moved or the checkpoint names none")
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     parser.add_argument("--include_path", metavar="DIR", help="a folder of extra lm-eval task YAML files")
     parser.add_argument("--num_fewshot", type=int, help="examples in each prompt (default: each task's own)")
@@ -60,10 +67,18 @@ def check_inputs(args: argparse.Namespace) -> tuple[list[str], Any]:
     manager = task_manager(args.include_path, tasks)
     check_tasks(tasks, manager)
     check_offline(tasks, manager)
-    source = Path(resolve_model_source(args.model))
-    if not (source / "config.json").is_file():
-        raise ValueError(f"{args.model}: not a Hugging Face model directory (no config.json) or a .gguf file. For a"
-                         " training checkpoint, export it first: lightning-fsdp consolidate CKPT OUT --format hf.")
+    args.checkpoint = None
+    kind = model_source_kind(Path(args.model))
+    if kind == "checkpoint":
+        from lightning_fsdp.hf.checkpoint_model import CheckpointModel
+
+        args.checkpoint = CheckpointModel(args.model, base=args.base)  # the base verified, the model described
+        source = args.checkpoint.side_dir
+        if source is None:
+            raise ValueError(f"{args.model} names no pretrained directory to take the tokenizer from; pass"
+                             " `--base DIR` with the directory it was fine-tuned from.")
+    else:
+        source = Path(resolve_model_source(args.model))
     tokenizer = AutoTokenizer.from_pretrained(str(source))
     if args.apply_chat_template and not tokenizer.chat_template:
         raise ValueError(f"--apply_chat_template: {args.model} has no chat template; evaluate without it.")
@@ -76,7 +91,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = arguments(build_parser(), argv)
     try:
         tasks, tokenizer = check_inputs(args)
-    except (ImportError, ValueError, OSError) as err:
+    except (ImportError, ValueError, OSError, CheckpointError) as err:
         return fail("eval", err)
     return _evaluate(args, tasks, tokenizer)
 
@@ -88,12 +103,19 @@ def _evaluate(args: argparse.Namespace, tasks: list[str], tokenizer: Any) -> int
     from lightning_fsdp.evaluation.harness import evaluate_tasks
     from lightning_fsdp.fabric import FSDPCustomFabricStrategy
 
+    checkpoint = args.checkpoint
+    weights = None if checkpoint is not None else args.source
     fabric = L.Fabric(accelerator="auto", devices=args.devices, precision=args.precision,
-                      strategy=FSDPCustomFabricStrategy(pretrained_weights=args.source))
+                      strategy=FSDPCustomFabricStrategy(pretrained_weights=weights))
     fabric.launch()
-    with fabric.init_module(empty_init=True):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(args.source)))
-    model = fabric.setup_module(model).module  # the FSDP root: the model itself, each rank holding its shards
+    if checkpoint is not None:
+        with checkpoint:
+            model = fabric.setup_module(checkpoint.skeleton()).module
+            checkpoint.fill(model)
+    else:
+        with fabric.init_module(empty_init=True):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(args.source)))
+        model = fabric.setup_module(model).module  # the FSDP root: the model itself, each rank holding its shards
     limit = args.limit if args.limit is None or args.limit < 1 else int(args.limit)
     results = evaluate_tasks(model, model, tokenizer, tasks, num_fewshot=args.num_fewshot, limit=limit,
                              apply_chat_template=args.apply_chat_template, include_path=args.include_path,

@@ -1,15 +1,19 @@
 """A sharded checkpoint's Hugging Face model built in memory: what ``consolidate --format hf`` would write, without
-writing it (``lightning-fsdp chat CKPT`` talks to a LoRA checkpoint this way). The key mapping, LoRA merge and tied
-weights are :mod:`.export`'s own, so the model equals the export's tensor for tensor.
+writing it. :func:`load_hf_model` builds it whole in one process (``lightning-fsdp chat CKPT`` talks to a LoRA
+checkpoint this way); :class:`CheckpointModel` fills a model already sharded over the ranks, each rank keeping only
+its rows (``lightning-fsdp eval CKPT``). The key mapping, LoRA merge and tied weights are :mod:`.export`'s own, so
+either model equals the export's tensor for tensor.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
+from torch import nn
 
+from lightning_fsdp.checkpoint.compatibility import check_fits, describe
 from lightning_fsdp.checkpoint.errors import CheckpointError
 from lightning_fsdp.formatting import short_list
 from lightning_fsdp.hf.export import (
@@ -25,7 +29,11 @@ from lightning_fsdp.sharding import tied_aliases
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["load_hf_model"]
+__all__ = ["CheckpointModel", "load_hf_model"]
+
+#: full tensors a rank reads before it keeps its rows of them: a sharded fill never holds more than this (or the one
+#: tensor that is larger) beside its shards
+FILL_BATCH_BYTES = 256 << 20
 
 
 def load_hf_model(
@@ -71,3 +79,57 @@ def load_hf_model(
         model.generation_config = GenerationConfig.from_pretrained(str(side_dir))
     model.eval()
     return model, side_dir
+
+
+class CheckpointModel:
+    """A sharded checkpoint of a HF model, opened on every rank: its skeleton on the meta device, then, once the
+    skeleton is sharded, each rank's rows filled from the checkpoint (LoRA merged, a QLoRA base from its original
+    files), so that no rank ever holds the whole model. Close it (or use ``with``) when the fill is done."""
+
+    def __init__(self, src: Union[str, Path], base: Optional[Union[str, Path]] = None, verify: bool = True) -> None:
+        self.src = Path(src)
+        self.tensors = CheckpointTensors(self.src, base, verify)
+        try:
+            self.info = self.tensors.require_info(None)
+        except CheckpointError:
+            self.tensors.close()
+            raise
+        #: the tokenizer's and generation config's directory: ``base`` or the pretrained directory recorded
+        self.side_dir = Path(base) if base is not None else self.tensors.base_root or existing_path(self.info.get("source"))
+
+    def __enter__(self) -> CheckpointModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.tensors.close()
+
+    def skeleton(self) -> PreTrainedModel:
+        """The plain HF model with its parameters on the meta device (buffers real), ready to shard."""
+        return build_skeleton(self.info, with_adapters=False, real_buffers=True)
+
+    def fill(self, model: nn.Module, batch_bytes: int = FILL_BATCH_BYTES) -> None:
+        """Every rank reads the checkpoint's tensors a batch at a time and keeps its rows of them, through torch's
+        ``set_model_state_dict``, in the dtypes of the sharded ``model``; a tied weight is filled once, through its
+        first name. A checkpoint that does not fit the model is refused, naming the keys."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+        names, sources = plain_model_sources(self.tensors, self.info, model)
+        ties = tied_aliases(model)
+        current = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor) and k not in ties}
+        saved = {model_key: self.tensors.shapes[key] for model_key, key in names.items()}
+        check_fits(self.src, saved, describe(current), strict=True, dtype_mismatch="convert",
+                   missing_fix=f"It was saved from another model than the {self.info['class']} it describes.")
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        batch: dict[str, Any] = {}
+        held = 0
+        for model_key, key in names.items():
+            tensor = sources[key]().to(current[model_key].dtype)
+            batch[model_key], held = tensor, held + tensor.nbytes
+            if held >= batch_bytes:
+                set_model_state_dict(model, batch, options=options)
+                batch, held = {}, 0
+        if batch:
+            set_model_state_dict(model, batch, options=options)

@@ -4,7 +4,8 @@ One 2-rank Fabric job (``tests/scripts/eval_sharded.py``) scores the package's t
 task by log-likelihood, a generative one by greedy decoding) with the shards gathered once and streamed unit by
 unit; each equals lm-eval's ``--model hf`` in one process on the same model: the same accuracy, the same
 log-likelihoods at fp32 tolerance, the same greedy text. Streamed, no rank ever holds more than two decoder layers
-unsharded at once. ``lightning-fsdp eval`` at 1 rank writes lm-eval's results file with the same scores.
+unsharded at once. ``lightning-fsdp eval`` at 1 rank writes lm-eval's results file with the same scores, and at 2
+ranks scores a LoRA fine-tune's sharded checkpoint as lm-eval's backend scores its export.
 """
 
 from __future__ import annotations
@@ -124,8 +125,10 @@ def test_evaluating_every_n_steps_trains_exactly_as_without(model_dir, tmp_path)
     from tests.helpers.sft import chat_rows, write_jsonl
 
     data = write_jsonl(tmp_path / "train.jsonl", chat_rows(24, seed=1))
+    checkpoint = tmp_path / "plain.ckpt"
     spec = {"model_dir": str(model_dir), "data": str(data), "devices": 2, "max_steps": 4, "root_dir": str(tmp_path),
-            "out": str(tmp_path / "out.json"), "runs": [{"name": "plain"}, {"name": "evaluated", "every": 2}]}
+            "out": str(tmp_path / "out.json"),
+            "runs": [{"name": "plain", "save": str(checkpoint)}, {"name": "evaluated", "every": 2}]}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     proc = run_python([str(SCRIPTS / "eval_callback_train.py"), str(tmp_path / "spec.json")], timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -136,3 +139,26 @@ def test_evaluating_every_n_steps_trains_exactly_as_without(model_dir, tmp_path)
     assert sorted(int(step) for step in evaluated["history"]) == [0, 2, 4]
     assert all("eval/python_docstring_choice/acc" in metrics for metrics in evaluated["history"].values())
     assert "lm-eval before and after training" in proc.stdout
+    _assert_checkpoint_scores_as_its_export(checkpoint, tmp_path)
+
+
+def _assert_checkpoint_scores_as_its_export(checkpoint: Path, tmp_path: Path) -> None:
+    """``lightning-fsdp eval CKPT -n 2`` on the LoRA run's sharded checkpoint (each rank filling its rows of the
+    merged model) scores as lm-eval's own backend on ``consolidate --format hf``'s export of it."""
+    from lightning_fsdp.commands.consolidate import main as consolidate
+    from tests.e2e.test_train_cli import check, cli
+
+    export = tmp_path / "export"
+    assert consolidate([str(checkpoint), str(export), "--format", "hf", "--no-progress"]) == 0
+    theirs = tmp_path / "theirs.json"
+    proc = run_python(["-c", _HF_BACKEND, str(export), ",".join(TASKS), str(LIMIT), str(theirs)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = tmp_path / "results"
+    check(cli(["eval", str(checkpoint), "--tasks", ",".join(TASKS), "--limit", str(LIMIT), "-n", "2",
+               "--output_path", str(out), "--log_samples"], tmp_path))
+    written, reference = json.loads(next(out.rglob("results_*.json")).read_text()), json.loads(theirs.read_text())
+    for task, metrics in reference["metrics"].items():
+        assert {k: written["results"][task][k] for k in metrics} == pytest.approx(metrics), task
+    rows = [json.loads(line) for line in next(out.rglob("samples_python_docs_*.jsonl")).read_text().splitlines()]
+    greedy = [row["resps"] for row in sorted(rows, key=lambda row: row["doc_id"])]
+    assert len(greedy) == LIMIT and greedy == reference["samples"]["python_docs"]  # the same greedy text

@@ -182,7 +182,7 @@ def test_refuses_what_is_not_a_model(tmp_path, capsys):
     cases = {
         "missing": (tmp_path / "missing", "no such file or directory"),
         "neither": (tmp_path / "notes", "neither a Hugging Face model directory (no config.json) nor a sharded"),
-        "other file": (tmp_path / "weights.bin", "only a .gguf model can be talked to"),
+        "other file": (tmp_path / "weights.bin", "only a .gguf model is read"),
     }
     for what, (path, message) in cases.items():
         code, out, err = _cli([str(path), "--prompt", "hi"], capsys)

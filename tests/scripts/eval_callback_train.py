@@ -4,7 +4,7 @@
 
 Each run in ``spec["runs"]`` trains ``max_steps`` steps from the same seed; with ``every`` it scores the package's
 multiple-choice task at step 0, every ``every`` steps and at the end. Rank 0 writes each run's per-step losses, the
-callback's history and the trained adapters.
+callback's history and the trained adapters; with ``save`` the run's sharded checkpoint is written there.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def one_run(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     data = SFTDataModule(spec["data"], spec["model_dir"], val_fraction=0.0, seq_len=64, batch_size=2,
                          cache_dir=Path(spec["root_dir"]) / "cache")
     trainer.fit(model, data)
+    if run.get("save"):
+        trainer.save_checkpoint(run["save"])
     adapters = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                 for n, p in model.named_parameters() if p.requires_grad}
     return {"losses": record.losses, "history": harness.history if harness else None,

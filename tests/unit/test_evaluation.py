@@ -52,9 +52,9 @@ def test_a_chat_template_asked_of_a_model_without_one(tmp_path, capsys):
     assert code == 1 and "has no chat template" in err
 
 
-def test_not_a_model_directory_says_how_to_export_a_checkpoint(tmp_path, capsys):
+def test_not_a_model_names_what_model_may_be(tmp_path, capsys):
     code, err = _eval([str(tmp_path), "--tasks", "python_docs"], capsys)
-    assert code == 1 and "lightning-fsdp consolidate CKPT OUT --format hf" in err
+    assert code == 1 and "neither a Hugging Face model directory (no config.json) nor a sharded checkpoint" in err
 
 
 def test_without_lm_eval_the_error_names_the_install_command(tmp_path, capsys, monkeypatch):
