@@ -160,6 +160,9 @@ class ShardedLM(HFLM):
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_gen_toks = int(kwargs.pop("max_gen_toks"))
             prompts = [self._context_ids(pooled[i][0], self.max_length - max_gen_toks) for i in members]
+            # longest first, as lm-eval's backend batches: each batch pads little, and the ranks' shares balance
+            order = sorted(range(len(members)), key=lambda k: -len(prompts[k]))
+            members, prompts = [members[k] for k in order], [prompts[k] for k in order]
             stop_ids = self._stop_ids() + self._stop_sequence_tokens(tuple(until))
             done = generate_on_ranks(self.root, self.model, prompts, _sampling(kwargs, max_gen_toks, stop_ids),
                                      pad_id=self._pad_id(), mode=self.rollout_mode, batch_size=self.batch_size,
@@ -185,9 +188,9 @@ class ShardedLM(HFLM):
         first, so decoding stops where lm-eval cuts the text anyway (the cut keeps the same prefix). Special tokens
         are left out: lm-eval's text drops them before it cuts."""
         key = (self.tokenizer.name_or_path, len(self.tokenizer), until)
-        if key not in _STOP_TOKENS:  # a scan of the vocabulary (0.5 s at 49k tokens): once per process
+        if key not in _STOP_TOKENS:  # a scan of the vocabulary, once per process
             special = set(self.tokenizer.all_special_ids)
-            texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+            texts = token_texts(self.tokenizer)
             _STOP_TOKENS[key] = tuple(i for i, text in enumerate(texts)
                                       if i not in special and any(s and s in text for s in until))
         return _STOP_TOKENS[key]
@@ -195,6 +198,19 @@ class ShardedLM(HFLM):
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
         return int(pad if pad is not None else self.eot_token_id)
+
+
+def token_texts(tokenizer: Any) -> list[str]:
+    """Every token's text as ``tokenizer.decode([id])`` gives it: through the Rust tokenizer's batch decode when the
+    tokenizer is a fast one (0.03 s for 49k tokens, against 0.42 s through ``batch_decode``'s per-row Python)."""
+    ids = [[i] for i in range(len(tokenizer))]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.batch_decode(ids)
+    texts = backend.decode_batch(ids, skip_special_tokens=False)
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        texts = [tokenizer.clean_up_tokenization(text) for text in texts]
+    return texts
 
 
 def _sampling(kwargs: dict[str, Any], max_new_tokens: int, stop_ids: tuple[int, ...]) -> Sampling:

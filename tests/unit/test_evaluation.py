@@ -74,3 +74,16 @@ def test_the_package_tasks_ship_their_rows():
     assert len(rows) == 60 and {p.name for p in TASKS_DIR.glob("*.yaml")} == {"python_docs.yaml",
                                                                                "python_docstring_choice.yaml"}
     assert Path(TASKS_DIR / "utils.py").is_file()
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_every_tokens_text_is_the_one_decode_gives(clean_up):
+    """The stop-sequence scan reads the vocabulary through the Rust tokenizer; each text equals ``decode([id])``,
+    with and without transformers' clean-up of spaces before punctuation."""
+    from lightning_fsdp.evaluation.harness import token_texts
+    from tests.helpers.sft import make_tokenizer
+
+    tokenizer = make_tokenizer("chatml")
+    tokenizer.clean_up_tokenization_spaces = clean_up
+    texts = token_texts(tokenizer)
+    assert len(texts) == len(tokenizer) and texts == [tokenizer.decode([i]) for i in range(len(tokenizer))]
