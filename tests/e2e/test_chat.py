@@ -173,6 +173,12 @@ def test_a_moved_base_needs_base(model_dir, lora_checkpoint, tmp_path, capsys):
     assert code == 0 and out.strip()
     code, _, err = _cli([str(ckpt), "--base", str(tmp_path / "nowhere"), "--prompt", FIRST], capsys)
     assert code == 1 and "--base DIR" in err, err
+    # ``eval`` reads a checkpoint the same way, and refuses it the same way, before any model is built
+    from lightning_fsdp.commands import eval as eval_command
+
+    code = eval_command.main([str(ckpt), "--tasks", "python_docs", "--base", str(tmp_path / "nowhere")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("lightning-fsdp eval: error:") and "--base DIR" in err, err
 
 
 def test_refuses_what_is_not_a_model(tmp_path, capsys):
