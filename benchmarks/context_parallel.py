@@ -48,7 +48,7 @@ SEARCH_STEP = 1024
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
 
 
-def worker(model_dir: Path, out: Path, context_parallel: int, seq: int, steps: int) -> None:
+def worker(model_dir: Path, out: Path, context_parallel: int, seq: int, steps: int, loss_chunk: int) -> None:
     """One rank of one configuration (started by torchrun)."""
     import lightning as L
     import torch
@@ -90,7 +90,7 @@ def worker(model_dir: Path, out: Path, context_parallel: int, seq: int, steps: i
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=[measure], num_sanity_val_steps=0,
     )
-    trainer.fit(HFCausalLM(model_dir, lora=LORA), torch.utils.data.DataLoader(batches, batch_size=None))
+    trainer.fit(HFCausalLM(model_dir, lora=LORA, loss_chunk=loss_chunk), torch.utils.data.DataLoader(batches, batch_size=None))
     row = {"peak": peak_rss() - measure.set_up, "set_up": measure.set_up - imported,
            "step_seconds": statistics.median(measure.times[1:] or measure.times)}
     gathered: list[Any] = [None] * trainer.world_size
@@ -102,11 +102,11 @@ def worker(model_dir: Path, out: Path, context_parallel: int, seq: int, steps: i
 class Runner:
     """Writes the model once into ``tmp`` and runs configurations of it in fresh processes, keeping every result."""
 
-    def __init__(self, config: dict[str, Any], tmp: Path, steps: int) -> None:
+    def __init__(self, config: dict[str, Any], tmp: Path, steps: int, loss_chunk: int) -> None:
         from lightning_fsdp.models.hf_causal_lm import write_random_model
 
         self.model_dir = write_random_model(tmp / "smollm2-shapes", config, max_shard_size="200MB")
-        self.tmp, self.steps = tmp, steps
+        self.tmp, self.steps, self.loss_chunk = tmp, steps, loss_chunk
         self.rows: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
 
     def __call__(self, cp: int, seq: int, steps: int = 0) -> list[dict[str, Any]]:
@@ -114,7 +114,7 @@ class Runner:
         key = (cp, seq, steps)
         if key not in self.rows:
             out = self.tmp / f"cp{cp}-{seq}-{steps}.json"
-            args = [str(self.model_dir), str(out), str(cp), str(seq), str(steps)]
+            args = [str(self.model_dir), str(out), str(cp), str(seq), str(steps), str(self.loss_chunk)]
             self.rows[key] = torchrun_json(__file__, WORLD, args, out, ENV, f"cp={cp} at {seq} tokens")
             peak = max(r["peak"] for r in self.rows[key])
             step = max(r["step_seconds"] for r in self.rows[key])
@@ -138,11 +138,11 @@ def longest_within(run: Runner, cp: int, budget: int, start: int) -> int:
 
 
 def report(config: dict[str, Any], table: list[dict[str, Any]], search: list[dict[str, Any]], budget: int,
-           steps: int) -> str:
+           steps: int, loss_chunk: int) -> str:
     lines = [
         f"Model: SmolLM2-135M's shapes with {config['num_hidden_layers']} of its 30 layers, LoRA r={LORA['r']} on"
-        f" q/v, activation checkpointing, chunked loss, fp32. {WORLD} ranks (`fsdp_custom`), CPU, gloo, one thread"
-        f" per rank; {steps} steps, median after the first. Peak: RSS high-water mark above the set-up (the RSS when"
+        f" q/v, activation checkpointing, chunked loss ({loss_chunk} tokens a chunk), fp32. {WORLD} ranks"
+        f" (`fsdp_custom`), CPU, gloo, one thread per rank; {steps} steps, median after the first. Peak: RSS high-water mark above the set-up (the RSS when"
         " training starts), largest rank. cp=1: a row of S tokens per rank; cp=2: one row of S tokens split over both ranks.",
         "",
         "| S | cp=1 peak MiB | cp=2 peak MiB | peak cp=2 / cp=1 | cp=1 tokens/s | cp=2 tokens/s | tokens/s cp=2 / cp=1 |",
@@ -178,19 +178,23 @@ def main() -> None:
     parser.add_argument("--no-search", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--loss-chunk", type=int, default=None,
+                        help="tokens per chunk of the loss, on both sides (default: the model's, 512)")
+    parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        model_dir, out, cp, seq, steps = args.worker
-        worker(Path(model_dir), Path(out), int(cp), int(seq), int(steps))
+        model_dir, out, cp, seq, steps, loss_chunk = args.worker
+        worker(Path(model_dir), Path(out), int(cp), int(seq), int(steps), int(loss_chunk))
         return
     import tempfile
+
+    from lightning_fsdp.models.hf_causal_lm import DEFAULT_CHUNK_TOKENS
 
     config = {**SMOLLM2_SHAPES, "num_hidden_layers": args.layers}
     seqs = [int(s) for s in (args.seqs or ("512,1024" if args.quick else "4096,8192")).split(",")]
     budget, steps = (args.budget_mib or (128 if args.quick else 512)) * MIB, 2 if args.quick else args.steps
     with tempfile.TemporaryDirectory() as tmp_name:
-        run, table = Runner(config, Path(tmp_name), steps), []
+        run, table = Runner(config, Path(tmp_name), steps, args.loss_chunk or DEFAULT_CHUNK_TOKENS), []
         for seq in seqs:
             peaks, rates = {}, {}
             for cp in (1, 2):
@@ -203,10 +207,12 @@ def main() -> None:
                                             for cp in (1, 2)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"context_parallel_{args.layers}_layers"
+    name = f"context_parallel_{args.layers}_layers" + (f"_loss_chunk_{args.loss_chunk}" if args.loss_chunk else "")
+    loss_chunk = args.loss_chunk or DEFAULT_CHUNK_TOKENS
     (out / f"{name}.json").write_text(json.dumps({"config": config, "table": table, "search": search,
-                                                  "budget": budget, "steps": steps}, indent=1))
-    text = report(config, table, search, budget, steps)
+                                                  "budget": budget, "steps": steps, "loss_chunk": loss_chunk},
+                                                 indent=1))
+    text = report(config, table, search, budget, steps, loss_chunk)
     (out / f"{name}.md").write_text(text)
     print(text)
 
