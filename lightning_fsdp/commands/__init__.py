@@ -71,4 +71,4 @@ def model_source_kind(path: Path) -> str:
     inside = sorted(str(p.parent) for p in [*path.glob(f"*/{MANIFEST_NAME}"), *path.glob(f"*/*/{MANIFEST_NAME}")])
     hint = f" It holds checkpoints: {', '.join(inside[:3])}{' ...' if len(inside) > 3 else ''}." if inside else ""
     raise ValueError(f"{path} is neither a Hugging Face model directory (no config.json) nor a sharded checkpoint"
-                    f" directory (no {MANIFEST_NAME}).{hint}")
+                     f" directory (no {MANIFEST_NAME}).{hint}")

@@ -73,10 +73,7 @@ def load_hf_model(
         side_dir = tensors.base_root or existing_path(info.get("source"))
     finally:
         tensors.close()
-    if side_dir is not None and (side_dir / "generation_config.json").is_file():  # as from_pretrained(export) reads
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(str(side_dir))
+    _read_generation_config(model, side_dir)
     model.eval()
     return model, side_dir
 
@@ -107,8 +104,11 @@ class CheckpointModel:
         self.tensors.close()
 
     def skeleton(self) -> PreTrainedModel:
-        """The plain HF model with its parameters on the meta device (buffers real), ready to shard."""
-        return build_skeleton(self.info, with_adapters=False, real_buffers=True)
+        """The plain HF model with its parameters on the meta device (buffers real), ready to shard; its generation
+        config is the pretrained directory's, as ``from_pretrained`` of the export reads it."""
+        model = build_skeleton(self.info, with_adapters=False, real_buffers=True)
+        _read_generation_config(model, self.side_dir)
+        return model
 
     def fill(self, model: nn.Module, batch_bytes: int = FILL_BATCH_BYTES) -> None:
         """Every rank reads the checkpoint's tensors a batch at a time and keeps its rows of them, through torch's
@@ -133,3 +133,11 @@ class CheckpointModel:
                 batch, held = {}, 0
         if batch:
             set_model_state_dict(model, batch, options=options)
+
+
+def _read_generation_config(model: PreTrainedModel, side_dir: Optional[Path]) -> None:
+    """``side_dir``'s ``generation_config.json`` on ``model``, as ``from_pretrained`` of the export reads it."""
+    if side_dir is not None and (side_dir / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(side_dir))
