@@ -90,7 +90,8 @@ def worker(model_dir: Path, out: Path, context_parallel: int, seq: int, steps: i
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=[measure], num_sanity_val_steps=0,
     )
-    trainer.fit(HFCausalLM(model_dir, lora=LORA, loss_chunk=loss_chunk), torch.utils.data.DataLoader(batches, batch_size=None))
+    model = HFCausalLM(model_dir, lora=LORA, loss_chunk=loss_chunk)
+    trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
     row = {"peak": peak_rss() - measure.set_up, "set_up": measure.set_up - imported,
            "step_seconds": statistics.median(measure.times[1:] or measure.times)}
     gathered: list[Any] = [None] * trainer.world_size
@@ -142,8 +143,8 @@ def report(config: dict[str, Any], table: list[dict[str, Any]], search: list[dic
     lines = [
         f"Model: SmolLM2-135M's shapes with {config['num_hidden_layers']} of its 30 layers, LoRA r={LORA['r']} on"
         f" q/v, activation checkpointing, chunked loss ({loss_chunk} tokens a chunk), fp32. {WORLD} ranks"
-        f" (`fsdp_custom`), CPU, gloo, one thread per rank; {steps} steps, median after the first. Peak: RSS high-water mark above the set-up (the RSS when"
-        " training starts), largest rank. cp=1: a row of S tokens per rank; cp=2: one row of S tokens split over both ranks.",
+        f" (`fsdp_custom`), CPU, gloo, one thread per rank; {steps} steps, median after the first. Peak: RSS"
+        " high-water mark above the set-up (the RSS when training starts), largest rank. cp=1: a row of S tokens per rank; cp=2: one row of S tokens split over both ranks.",
         "",
         "| S | cp=1 peak MiB | cp=2 peak MiB | peak cp=2 / cp=1 | cp=1 tokens/s | cp=2 tokens/s | tokens/s cp=2 / cp=1 |",
         "|---:|---:|---:|---:|---:|---:|---:|",
@@ -191,10 +192,11 @@ def main() -> None:
     from lightning_fsdp.models.hf_causal_lm import DEFAULT_CHUNK_TOKENS
 
     config = {**SMOLLM2_SHAPES, "num_hidden_layers": args.layers}
+    loss_chunk = args.loss_chunk or DEFAULT_CHUNK_TOKENS
     seqs = [int(s) for s in (args.seqs or ("512,1024" if args.quick else "4096,8192")).split(",")]
     budget, steps = (args.budget_mib or (128 if args.quick else 512)) * MIB, 2 if args.quick else args.steps
     with tempfile.TemporaryDirectory() as tmp_name:
-        run, table = Runner(config, Path(tmp_name), steps, args.loss_chunk or DEFAULT_CHUNK_TOKENS), []
+        run, table = Runner(config, Path(tmp_name), steps, loss_chunk), []
         for seq in seqs:
             peaks, rates = {}, {}
             for cp in (1, 2):
@@ -208,7 +210,6 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"context_parallel_{args.layers}_layers" + (f"_loss_chunk_{args.loss_chunk}" if args.loss_chunk else "")
-    loss_chunk = args.loss_chunk or DEFAULT_CHUNK_TOKENS
     (out / f"{name}.json").write_text(json.dumps({"config": config, "table": table, "search": search,
                                                   "budget": budget, "steps": steps, "loss_chunk": loss_chunk},
                                                  indent=1))

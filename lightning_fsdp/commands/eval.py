@@ -5,7 +5,7 @@ MODEL is a Hugging Face model directory (a download, or what ``consolidate --for
 meta device and sharded over the ranks this command runs on (``-n N`` local processes, or every rank of
 torchrun/SLURM), each rank keeping only its shards of the weights: a model directory's are read as the rows each
 rank owns; a checkpoint's model is the one ``consolidate --format hf`` would write (LoRA merged into the base it
-recorded, or ``--base``), each rank reading its tensors a batch at a time and keeping its rows. The tasks then run
+recorded, or ``--base``), rank 0 reading its tensors a batch at a time and each rank keeping its rows. The tasks run
 through :class:`~lightning_fsdp.evaluation.harness.ShardedLM`, the requests split over the ranks. The arguments
 carry lm-eval's names (``--tasks``, ``--include_path``, ``--num_fewshot``, ``--limit``, ``--apply_chat_template``,
 ``--output_path``), and ``--output_path`` receives lm-eval's own results JSON, so the tools that read lm-eval's

@@ -7,6 +7,8 @@ either model equals the export's tensor for tensor.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -15,6 +17,7 @@ from torch import nn
 
 from lightning_fsdp.checkpoint.compatibility import check_fits, describe
 from lightning_fsdp.checkpoint.errors import CheckpointError
+from lightning_fsdp.checkpoint.sharded import agreed
 from lightning_fsdp.formatting import short_list
 from lightning_fsdp.hf.export import (
     CheckpointTensors,
@@ -23,6 +26,7 @@ from lightning_fsdp.hf.export import (
     existing_path,
     plain_model_sources,
 )
+from lightning_fsdp.parallel.collectives import is_distributed, on_rank_zero
 from lightning_fsdp.precision import parse_dtype
 from lightning_fsdp.sharding import tied_aliases
 
@@ -31,8 +35,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointModel", "load_hf_model"]
 
-#: full tensors a rank reads before it keeps its rows of them: a sharded fill never holds more than this (or the one
-#: tensor that is larger) beside its shards
+#: full tensors rank 0 reads before they are broadcast: a sharded fill never holds more than this (or the one tensor
+#: that is larger) beside its shards
 FILL_BATCH_BYTES = 256 << 20
 
 
@@ -92,7 +96,8 @@ class CheckpointModel:
             self.tensors.close()
             raise
         #: the tokenizer's and generation config's directory: ``base`` or the pretrained directory recorded
-        self.side_dir = Path(base) if base is not None else self.tensors.base_root or existing_path(self.info.get("source"))
+        recorded = self.tensors.base_root or existing_path(self.info.get("source"))
+        self.side_dir = Path(base) if base is not None else recorded
 
     def __enter__(self) -> CheckpointModel:
         return self
@@ -111,28 +116,42 @@ class CheckpointModel:
         return model
 
     def fill(self, model: nn.Module, batch_bytes: int = FILL_BATCH_BYTES) -> None:
-        """Every rank reads the checkpoint's tensors a batch at a time and keeps its rows of them, through torch's
-        ``set_model_state_dict``, in the dtypes of the sharded ``model``; a tied weight is filled once, through its
-        first name. A checkpoint that does not fit the model is refused, naming the keys."""
+        """Rank 0 reads the checkpoint's tensors a batch at a time (failures agreed on every rank) and torch's
+        ``set_model_state_dict`` broadcasts them, each rank keeping its rows, in the dtypes of the sharded ``model``,
+        as :func:`~lightning_fsdp.checkpoint.pretrained.load_pretrained` does; a tied weight is filled once, through
+        its first name. A checkpoint that does not fit the model is refused on every rank, naming the keys."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
         names, sources = plain_model_sources(self.tensors, self.info, model)
         ties = tied_aliases(model)
-        current = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor) and k not in ties}
+        current = {k: v for k, v in get_model_state_dict(model).items()
+                   if isinstance(v, torch.Tensor) and k not in ties}
         saved = {model_key: self.tensors.shapes[key] for model_key, key in names.items()}
         check_fits(self.src, saved, describe(current), strict=True, dtype_mismatch="convert",
                    missing_fix=f"It was saved from another model than the {self.info['class']} it describes.")
-        options = StateDictOptions(full_state_dict=True, strict=False)
-        batch: dict[str, Any] = {}
-        held = 0
-        for model_key, key in names.items():
-            tensor = sources[key]().to(current[model_key].dtype)
-            batch[model_key], held = tensor, held + tensor.nbytes
-            if held >= batch_bytes:
-                set_model_state_dict(model, batch, options=options)
-                batch, held = {}, 0
-        if batch:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=is_distributed(), strict=False)
+
+        def read(keys: list[str]) -> dict[str, Any]:
+            return {k: sources[names[k]]().to(current[k].dtype) for k in keys}
+
+        for keys in _batches(names, {k: current[k].numel() * current[k].element_size() for k in names}, batch_bytes):
+            batch = agreed(on_rank_zero(partial(read, keys)), f"Reading {self.src}") or {}
             set_model_state_dict(model, batch, options=options)
+
+
+def _batches(keys: Iterable[str], nbytes: dict[str, int], limit: int) -> Iterator[list[str]]:
+    """``keys`` in order, cut after the first key that brings a batch to ``limit`` bytes (the same cuts on every
+    rank: they come from the model's shapes, not from what was read)."""
+    batch: list[str] = []
+    held = 0
+    for key in keys:
+        batch.append(key)
+        held += nbytes[key]
+        if held >= limit:
+            yield batch
+            batch, held = [], 0
+    if batch:
+        yield batch
 
 
 def _read_generation_config(model: PreTrainedModel, side_dir: Optional[Path]) -> None:
