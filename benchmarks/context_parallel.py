@@ -3,6 +3,7 @@ and the longest sequence that fits a per-rank budget, each found by running.
 
     python benchmarks/context_parallel.py            # writes results/context_parallel_<layers>_layers.{json,md}
     python benchmarks/context_parallel.py --quick    # short sequences: checks the harness
+    python benchmarks/context_parallel.py --layers 30 --seqs 16384 --no-search --steps 1   # ..._30_layers_16384.*
 
 The model has SmolLM2-135M's shapes (vocabulary 49,152, hidden 576, MLP 1,536, 9 query and 3 key/value heads, tied
 head) with ``--layers`` of its 30 decoder layers (2 by default: a CPU step of a 30-layer model at 8k tokens takes
@@ -209,7 +210,8 @@ def main() -> None:
                                             for cp in (1, 2)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"context_parallel_{args.layers}_layers" + (f"_loss_chunk_{args.loss_chunk}" if args.loss_chunk else "")
+    name = (f"context_parallel_{args.layers}_layers" + (f"_{'_'.join(map(str, seqs))}" if args.seqs else "")
+            + (f"_loss_chunk_{args.loss_chunk}" if args.loss_chunk else ""))
     (out / f"{name}.json").write_text(json.dumps({"config": config, "table": table, "search": search,
                                                   "budget": budget, "steps": steps, "loss_chunk": loss_chunk},
                                                  indent=1))

@@ -166,17 +166,28 @@ def test_hf_llama_at_context_parallel_2_trains_as_one_process(llama, tmp_path, p
 
 
 @pytest.mark.slow
-def test_gpt_at_context_parallel_2_and_shard_2_on_4_ranks_trains_as_one_process(tmp_path):
-    """The package's GPT (rotary tables at global positions, ring attention in its own attention): two data-parallel
-    ranks, each pair splitting its sequences."""
+def test_hf_llama_at_context_parallel_2_and_shard_2_on_4_ranks_trains_as_one_process(llama, tmp_path):
+    """Packed rows with LoRA on the three-dimensional mesh: two data-parallel pairs, each pair splitting its rows, the
+    parameters sharded over all four ranks."""
+    sharded, reference = _cp_runs(llama, tmp_path, packed=True, lora=True, world=4)
+    assert sharded["world_size"] == 4
+    assert_step_gradients_equal(sharded, reference, STEPS)
+    torch.testing.assert_close(torch.tensor(sharded["logged_losses"]), torch.tensor(reference["logged_losses"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4], ids=["cp2", "cp2-shard2"])
+def test_gpt_at_context_parallel_2_trains_as_one_process(world, tmp_path):
+    """The package's GPT (rotary tables at global positions, ring attention in its own attention): both ranks
+    splitting every sequence, and on 4 ranks two data-parallel pairs, each pair splitting its sequences."""
     from tests.helpers.launch import train
 
     gpt = {"vocab_size": 37, "n_layer": 2, "n_head": 4, "d_model": 32, "seq_len": SEQ, "lr": LR, "warmup_steps": 1}
     common = {"gpt": gpt, "max_steps": STEPS, "data": {"n": 24}, "record_gradients": True}
     reference = train({"strategy": "auto", "devices": 1, "batch_size": GLOBAL_BATCH, **common}, tmp_path, "reference")
-    sharded = train({"devices": 4, "batch_size": GLOBAL_BATCH // 2, "empty_init": True,
+    sharded = train({"devices": world, "batch_size": GLOBAL_BATCH * 2 // world, "empty_init": True,
                      "strategy_kwargs": {"context_parallel": 2}, **common}, tmp_path, "sharded", timeout=300)
-    assert sharded["world_size"] == 4
+    assert sharded["world_size"] == world
     assert_step_gradients_equal(sharded, reference, STEPS)
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(reference["losses"]))
 
