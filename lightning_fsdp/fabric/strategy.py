@@ -165,6 +165,11 @@ class FSDPCustomFabricStrategy(RuntimeHolder, GuardedCollectives, MeshPlacement,
         return self.precision
 
     # -- processes and mesh --------------------------------------------------------------------------------------------
+    def _set_world_ranks(self) -> None:
+        """Fabric's connector calls this (the Trainer's calls ``set_world_ranks``) when ``L.Fabric(...)`` is built:
+        mesh sizes that do not fit the world fail there, before any process starts."""
+        self.set_world_ranks()
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None

@@ -42,6 +42,11 @@ def test_bad_arguments_fail_when_the_strategy_is_built():
         FSDPCustomFabricStrategy(shard_size=0)
     with pytest.raises(TypeError, match="does not support the precision plugin"):
         L.Fabric(accelerator="cpu", devices=1, strategy=FSDPCustomFabricStrategy(), plugins=[_OtherPrecision()])
+    # mesh sizes that do not fit the world: when Fabric is built, before any process starts
+    with pytest.raises(ValueError, match="context_parallel=3 does not divide the world size 4"):
+        L.Fabric(accelerator="cpu", devices=4, strategy=FSDPCustomFabricStrategy(context_parallel=3))
+    with pytest.raises(ValueError, match="replicate_size=3 does not divide the world size 4"):
+        L.Fabric(accelerator="cpu", devices=4, strategy=FSDPCustomFabricStrategy(replicate_size=3))
 
 
 class _OtherPrecision(L.fabric.plugins.Precision):

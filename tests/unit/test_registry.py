@@ -58,9 +58,12 @@ def test_load_discovered_into_a_fresh_registry():
     assert registry.get("fsdp_custom_hybrid").replicate_size == "auto"
 
 
-def test_hsdp_sizes_that_do_not_divide_fail_in_trainer_construction():
+def test_mesh_sizes_that_do_not_divide_fail_in_trainer_construction():
+    """Before any process starts: replicate, shard and context sizes that do not fit the world."""
     with pytest.raises(ValueError, match=r"replicate_size=3 does not divide the world size 4"):
         L.Trainer(strategy=FSDPCustomStrategy(replicate_size=3), accelerator="cpu", devices=4, logger=False)
+    with pytest.raises(ValueError, match=r"context_parallel=3 does not divide the world size 4"):
+        L.Trainer(strategy=FSDPCustomStrategy(context_parallel=3), accelerator="cpu", devices=4, logger=False)
     with pytest.raises(ValueError, match=r"2 × 3 = 6, but WORLD_SIZE = 4"):
         L.Trainer(strategy=FSDPCustomStrategy(replicate_size=2, shard_size=3), accelerator="cpu", devices=4, logger=False)
 
