@@ -77,3 +77,19 @@ def test_quick_checkpoint_io_benchmark_times_every_peer_and_phase(tmp_path):
     assert save["save: DCP write + hashing"] > 0 and save["fsync"] > 0
     text = (tmp_path / "checkpoint_io_quick.md").read_text()
     assert "ours × dcp" in text and "Where our time goes" in text
+
+
+@pytest.mark.slow
+def test_quick_activation_offload_benchmark_moves_activations_and_changes_nothing(tmp_path):
+    """On CPU through ``copy_on_cpu``: every configuration ran, the offloaded steps equal the plain ones exactly, and
+    checkpointing leaves less to move (only the blocks' inputs are saved)."""
+    proc = run_python([str(REPO / "benchmarks" / "activation_offload.py"), "--quick", "--out", str(tmp_path)],
+                      timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    rows = json.loads((tmp_path / "activation_offload_quick_cpu.json").read_text())["rows"]
+    assert [(r["checkpointing"], r["mode"]) for r in rows] == [
+        (c, m) for c in (False, True) for m in ("none", "ActivationOffload", "save_on_cpu")]
+    assert all(r["max_diff"] == 0.0 for r in rows)
+    moved = {r["checkpointing"]: r["offloaded_mib_per_step"] for r in rows if r["mode"] == "ActivationOffload"}
+    assert 0 < moved[True] < moved[False]
+    assert "| yes | ActivationOffload |" in (tmp_path / "activation_offload_quick_cpu.md").read_text()
