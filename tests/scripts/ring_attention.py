@@ -21,8 +21,6 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from lightning_fsdp.parallel.ring import ring_attention  # noqa: E402
-from lightning_fsdp.parallel.sequence import SequenceLayout, SequenceSplit, document_ids  # noqa: E402
 
 B, H, S, D = 2, 4, 48, 8
 
@@ -42,6 +40,10 @@ def reference(q, k, v, docs):
 
 
 def case(rank: int, world: int, kernel: str, kv_heads: int, packed: bool) -> dict:
+    # imported in the ranks only: the launching process never needs the package
+    from lightning_fsdp.parallel.ring import ring_attention
+    from lightning_fsdp.parallel.sequence import SequenceLayout, SequenceSplit, document_ids
+
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(B, H, S, D, generator=gen)
     k, v = (torch.randn(B, kv_heads, S, D, generator=gen) for _ in range(2))
