@@ -93,6 +93,11 @@ def measure(config: dict[str, Any], mode: str, checkpointing: bool, seq: int, st
             "grads": grads}
 
 
+def no_offloading(rows: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any]:
+    """The row without offloading at ``row``'s checkpointing: what its ratios and differences are against."""
+    return next(r for r in rows if r["checkpointing"] == row["checkpointing"] and r["mode"] == "none")
+
+
 def compare(row: dict[str, Any], baseline: dict[str, Any]) -> float:
     """The largest absolute difference of the loss or any gradient against no offloading."""
     diffs = [abs(row["loss"] - baseline["loss"])]
@@ -112,7 +117,7 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        base = next(r for r in rows if r["checkpointing"] == row["checkpointing"] and r["mode"] == "none")
+        base = no_offloading(rows, row)
         peak = "n/a" if row["peak"] is None else f"{row['peak'] / MIB:.0f}"
         peak_ratio = "n/a" if row["peak"] is None else f"{row['peak'] / base['peak']:.2f}"
         moved = "" if row["offloaded_mib_per_step"] is None else f"{row['offloaded_mib_per_step']:.3g}"
@@ -142,13 +147,13 @@ def main() -> None:
             print(f"  checkpointing={checkpointing} {mode}: step {row['step_s']:.3f} s"
                   + (f", peak {row['peak'] / MIB:.0f} MiB" if row["peak"] is not None else ""), flush=True)
     for row in rows:
-        base = next(r for r in rows if r["checkpointing"] == row["checkpointing"] and r["mode"] == "none")
+        base = no_offloading(rows, row)
         row["max_diff"] = compare(row, base)
     for row in rows:
         del row["grads"]
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (copy_on_cpu)",
-            "shapes": "tiny shapes" if args.quick else "SmolLM2-135M's shapes", "layers": layers, "seq": seq, "steps": args.steps, "torch": torch.__version__,
-            "dtype": "bf16" if device.type == "cuda" else "fp32"}
+            "shapes": "tiny shapes" if args.quick else "SmolLM2-135M's shapes", "layers": layers, "seq": seq,
+            "steps": args.steps, "torch": torch.__version__, "dtype": "bf16" if device.type == "cuda" else "fp32"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "activation_offload" + ("_quick" if args.quick else "") + ("_cpu" if device.type == "cpu" else "")

@@ -145,7 +145,8 @@ def report(config: dict[str, Any], table: list[dict[str, Any]], search: list[dic
         f"Model: SmolLM2-135M's shapes with {config['num_hidden_layers']} of its 30 layers, LoRA r={LORA['r']} on"
         f" q/v, activation checkpointing, chunked loss ({loss_chunk} tokens a chunk), fp32. {WORLD} ranks"
         f" (`fsdp_custom`), CPU, gloo, one thread per rank; {steps} steps, median after the first. Peak: RSS"
-        " high-water mark above the set-up (the RSS when training starts), largest rank. cp=1: a row of S tokens per rank; cp=2: one row of S tokens split over both ranks.",
+        " high-water mark above the set-up (the RSS when training starts), largest rank. cp=1: a row of S tokens"
+        " per rank; cp=2: one row of S tokens split over both ranks.",
         "",
         "| S | cp=1 peak MiB | cp=2 peak MiB | peak cp=2 / cp=1 | cp=1 tokens/s | cp=2 tokens/s | tokens/s cp=2 / cp=1 |",
         "|---:|---:|---:|---:|---:|---:|---:|",
