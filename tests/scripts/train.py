@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -232,11 +233,35 @@ def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
         if isinstance(value, DTensor):
-            value = value.full_tensor()
+            value = _gathered_nf4(value) if nf4.is_nf4(value.to_local()) else value.full_tensor()
         out[key] = value.float().cpu().clone()  # a quantized weight: its dequantized value
         if nf4.is_nf4(value):  # and its stored fields, to compare quantizations exactly
             out.update({f"{key}.nf4.{name}": field.clone() for name, field in nf4.fields(value).items()})
     return out
+
+
+def _gathered_nf4(value: Any) -> Any:
+    """The whole ``NF4Tensor`` behind a sharded one, each stored field gathered by a blocking collective.
+
+    ``full_tensor()`` goes through torchao's gather, which leaves one functional all-gather per field in flight;
+    on gloo under a loaded machine that aborted a 2-rank run (``Fatal Python error: Aborted`` in the gather)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    from lightning_fsdp.sharding import nf4
+
+    (dim,) = [d for d, p in enumerate(value.placements) if isinstance(p, Shard)]
+    group = value.device_mesh.get_group(dim)
+    size = dist.get_world_size(group)
+    local = value.to_local()
+    whole = nf4.empty(value.shape, nf4.data_device(local), nf4.compute_device(local))
+    gathered = {"scaler_mean": local.scaler_mean}  # not sharded: one value for the whole weight
+    for name in ("quantized_data", "quantized_scalers", "quantization_factor"):
+        part = getattr(local, name).contiguous()
+        gathered[name] = part.new_empty((part.shape[0] * size, *part.shape[1:]))
+        dist.all_gather_into_tensor(gathered[name], part, group=group)
+    nf4.write(whole, gathered)
+    return whole
 
 
 def ema_callback(spec: dict, ours: bool) -> Callback | None:
