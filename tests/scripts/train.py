@@ -225,8 +225,8 @@ def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
 
     model = trainer.strategy.model
     if any(isinstance(p, DTensor) for p in model.parameters()):  # ours, or a module that sharded itself
-        # torch's names, each tensor gathered and read before the next is: a quantized weight's gathered fields are
-        # waited for lazily, and a whole model of gathers left in flight on gloo aborted a 4-rank run under load
+        # torch's names, each tensor gathered and read before the next is: gathers left in flight on gloo (a whole
+        # model's, then one NF4 weight's three fields) aborted loaded runs at 4 ranks and then at 2
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
     else:
         sd = {k: v.detach().cpu() for k, v in trainer.lightning_module.state_dict().items()}
