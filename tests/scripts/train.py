@@ -255,11 +255,12 @@ def _gathered_nf4(value: Any) -> Any:
     size = dist.get_world_size(group)
     local = value.to_local()
     whole = nf4.empty(value.shape, nf4.data_device(local), nf4.compute_device(local))
-    gathered = {"scaler_mean": local.scaler_mean}  # not sharded: one value for the whole weight
-    for name in ("quantized_data", "quantized_scalers", "quantization_factor"):
-        part = getattr(local, name).contiguous()
+    gathered = nf4.fields(local)
+    for name, part in gathered.items():
+        if name == "scaler_mean":  # not sharded: one value for the whole weight
+            continue
         gathered[name] = part.new_empty((part.shape[0] * size, *part.shape[1:]))
-        dist.all_gather_into_tensor(gathered[name], part, group=group)
+        dist.all_gather_into_tensor(gathered[name], part.contiguous(), group=group)
     nf4.write(whole, gathered)
     return whole
 
